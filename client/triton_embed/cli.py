@@ -1,0 +1,62 @@
+"""``triton-embed``: embed texts and compare them from the command line.
+
+    triton-embed embed "A man plays a guitar." "Someone plays music."   # one vector per line
+    triton-embed similarity "A man plays a guitar." "Someone plays music."
+    echo "text from stdin" | triton-embed embed --json
+
+URL and protocol: ``--url``/``--protocol``, else ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL``, else gRPC on
+127.0.0.1:8001.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from triton_embed.client import EmbeddingClient
+from triton_embed.errors import EmbeddingError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triton-embed", description="Client for the triton-embed service.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 / :8000)")
+    common.add_argument("--protocol", choices=("grpc", "http"), help="default: $TRITON_EMBED_PROTOCOL, else grpc")
+    common.add_argument("--model", default="embed")
+    common.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    common.add_argument("--json", action="store_true", help="print JSON")
+    sub = parser.add_subparsers(dest="command", required=True)
+    embed = sub.add_parser("embed", parents=[common], help="print one embedding per text")
+    embed.add_argument("texts", nargs="*", help="texts; none = one text per line from stdin")
+    sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
+    sim.add_argument("a")
+    sim.add_argument("b")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns 0, 1 on a service error, 2 on bad arguments."""
+    args = _parser().parse_args(argv)
+    try:
+        with EmbeddingClient(url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout) as client:
+            if args.command == "similarity":
+                score = client.similarity(args.a, args.b)
+                print(json.dumps({"a": args.a, "b": args.b, "cosine": score}) if args.json else f"{score:.6f}")
+                return 0
+            texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+            vectors = client.embed(texts)
+            if args.json:
+                rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(texts, vectors, strict=True)]
+                print(json.dumps(rows))
+            else:
+                for vector in vectors:
+                    print(" ".join(f"{x:.6f}" for x in vector))
+            return 0
+    except EmbeddingError as exc:
+        print(f"triton-embed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

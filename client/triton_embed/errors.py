@@ -1,0 +1,53 @@
+"""Exceptions raised by :mod:`triton_embed`; each wraps the tritonclient error it came from (``__cause__``)."""
+
+from __future__ import annotations
+
+
+class EmbeddingError(Exception):
+    """Base class of every error this library raises."""
+
+
+class InvalidInputError(EmbeddingError):
+    """The request was rejected as bad input (gRPC INVALID_ARGUMENT / HTTP 400); retrying will not help."""
+
+
+class ServerUnavailableError(EmbeddingError):
+    """The server could not be reached, is not ready, or shed the request (gRPC UNAVAILABLE / HTTP 503)."""
+
+
+class EmbeddingTimeoutError(EmbeddingError):
+    """No answer within the client's timeout (gRPC DEADLINE_EXCEEDED / HTTP timeout)."""
+
+
+class ServerError(EmbeddingError):
+    """The server failed while handling a valid request (gRPC INTERNAL / HTTP 5xx)."""
+
+
+_BY_STATUS = {
+    "StatusCode.INVALID_ARGUMENT": InvalidInputError,
+    "400": InvalidInputError,
+    "StatusCode.UNAVAILABLE": ServerUnavailableError,
+    "503": ServerUnavailableError,
+    "StatusCode.DEADLINE_EXCEEDED": EmbeddingTimeoutError,
+    "504": EmbeddingTimeoutError,
+}
+
+
+def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
+    """Map a tritonclient ``InferenceServerException`` (or a connection error) to our exception tree.
+
+    The message keeps the server's own text (which names the input, the limit and the value) and adds the
+    model and URL.
+    """
+    status = str(exc.status()) if hasattr(exc, "status") and exc.status() is not None else ""
+    message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        lowered = message.lower()
+        if isinstance(exc, (ConnectionError, OSError)) or "connect" in lowered or "unavailable" in lowered:
+            cls = ServerUnavailableError
+        elif "timed out" in lowered or "deadline" in lowered:
+            cls = EmbeddingTimeoutError
+        else:
+            cls = ServerError
+    return cls(f"model '{model}' at {url}: {message}")

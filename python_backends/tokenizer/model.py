@@ -1,0 +1,130 @@
+"""Triton Python-based backend ``tokenizer``: TEXT -> input_ids / attention_mask.
+
+Loaded by Triton for every model whose config says ``backend: "tokenizer"``. The tokenizer file is the model's
+``<version>/tokenizer.json`` written by ``make model``: a Hugging Face fast tokenizer whose truncation is set to
+the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds the transformer.
+
+Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call, and split back per request.
+Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
+that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. A bad request (missing
+input, wrong shape, non-UTF-8 bytes, no texts) gets its own INVALID_ARG error; the others still succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+# The 2.51 Python backend stub starts its interpreter without reading PYTHONPATH; the embedded server passes its
+# environment's site-packages there (triton_embed_server.layout.server_environment), so put them on sys.path
+# before the third-party imports below. A no-op in images where the packages are installed system-wide.
+for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    if _path and _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tokenizers import Tokenizer
+
+INPUT = "TEXT"
+OUTPUTS = ("input_ids", "attention_mask")
+
+
+class RequestError(ValueError):
+    """A problem with one request; becomes that request's INVALID_ARG response."""
+
+
+def decode_texts(tensor) -> list[str]:
+    """Decode a TEXT tensor (``[n, 1]`` of UTF-8 bytes) into ``n`` strings.
+
+    Raises:
+        RequestError: the tensor is missing, not ``[n, 1]``, has no rows, or a row is not valid UTF-8.
+    """
+    if tensor is None:
+        raise RequestError(f"missing input tensor '{INPUT}'")
+    array = tensor.as_numpy()
+    if array.ndim != 2 or array.shape[1] != 1:
+        raise RequestError(f"input '{INPUT}' must have shape [batch, 1]; got {list(array.shape)}")
+    if array.shape[0] == 0:
+        raise RequestError(f"input '{INPUT}' has 0 texts; at least 1 is required")
+    texts = []
+    for row, item in enumerate(array[:, 0]):
+        if isinstance(item, str):
+            texts.append(item)
+            continue
+        try:
+            texts.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise RequestError(
+                f"input '{INPUT}' row {row} is not valid UTF-8: byte 0x{item[exc.start]:02x} at offset {exc.start} "
+                f"({exc.reason})"
+            ) from None
+    return texts
+
+
+def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pad token id lists to the longest one.
+
+    Returns:
+        (input_ids, attention_mask), both int64 ``[len(rows), max(len)]``.
+    """
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+class TritonPythonModel:
+    """Tokenizer step of the ``embed`` ensemble."""
+
+    def initialize(self, args: dict) -> None:
+        """Load ``<model_repository>/<version>/tokenizer.json``; fail the load if it has no truncation set."""
+        self.model_config = json.loads(args["model_config"])
+        path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
+        if not path.is_file():
+            raise pb_utils.TritonModelException(f"{path} not found: run `make model` to export the tokenizer")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        if self.tokenizer.truncation is None:
+            raise pb_utils.TritonModelException(f"{path} has no truncation; re-export it with `make model`")
+        self.max_tokens = self.tokenizer.truncation["max_length"]
+        padding = self.tokenizer.padding
+        self.pad_id = padding["pad_id"] if padding else 0
+        self.tokenizer.no_padding()  # we pad per request, not to the longest text of the whole execution
+
+    def execute(self, requests: list) -> list:
+        """Tokenise all requests' texts in one call; one response per request, in order."""
+        texts_per_request: list[list[str] | None] = []
+        errors: dict[int, str] = {}
+        for i, request in enumerate(requests):
+            try:
+                texts_per_request.append(decode_texts(pb_utils.get_input_tensor_by_name(request, INPUT)))
+            except RequestError as exc:
+                errors[i] = str(exc)
+                texts_per_request.append(None)
+
+        flat = [t for texts in texts_per_request if texts for t in texts]
+        encodings = self.tokenizer.encode_batch(flat, add_special_tokens=True) if flat else []
+        if len(encodings) != len(flat):
+            raise pb_utils.TritonModelException(f"tokenizer returned {len(encodings)} encodings for {len(flat)} texts")
+
+        responses = []
+        start = 0
+        for i, texts in enumerate(texts_per_request):
+            if texts is None:
+                error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            rows = [e.ids for e in encodings[start : start + len(texts)]]
+            start += len(texts)
+            ids, mask = pad_rows(rows, self.pad_id)
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask)]
+                )
+            )
+        return responses

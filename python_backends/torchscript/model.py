@@ -1,0 +1,183 @@
+"""Triton Python-based backend ``torchscript``: runs a TorchScript sentence encoder on ragged batches.
+
+Loaded by Triton for every model whose config says ``backend: "torchscript"``. The module is the model's
+``<version>/model.pt`` written by ``make model``: ``(input_ids int64 [B, T], attention_mask int64 [B, T]) ->
+float32 [B, dim]``. Limits (``max_seq_length``, ``vocab_size``, ``dim``) come from ``<version>/export.json``.
+
+The config marks both inputs ``allow_ragged_batch``, so one execute may hold requests of different token lengths.
+They are validated one by one (a bad one gets its own INVALID_ARG response), merged into one batch padded only to
+the longest real sequence among them, run ONCE, and the rows are split back per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+# The 2.51 Python backend stub starts its interpreter without reading PYTHONPATH; the embedded server passes its
+# environment's site-packages there (triton_embed_server.layout.server_environment), so put them on sys.path
+# before the third-party imports below. A no-op in images where the packages are installed system-wide.
+for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+    if _path and _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+INPUTS = ("input_ids", "attention_mask")
+OUTPUT = "embedding__0"
+
+
+class RequestError(ValueError):
+    """A problem with one request; becomes that request's INVALID_ARG response."""
+
+
+def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return one request's (input_ids, attention_mask), int64 ``[n, T]``, after checking them.
+
+    Raises:
+        RequestError: an input is missing, the two shapes differ, a shape is not ``[n >= 1, 1 <= T <= max_seq_length]``,
+            a token id is outside ``[0, vocab_size)``, or a mask value is not 0/1.
+    """
+    arrays = []
+    for name in INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            raise RequestError(f"missing input tensor '{name}'")
+        arrays.append(tensor.as_numpy())
+    ids, mask = arrays
+    if ids.shape != mask.shape:
+        raise RequestError(f"'{INPUTS[0]}' has shape {list(ids.shape)} but '{INPUTS[1]}' has {list(mask.shape)}")
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise RequestError(f"'{INPUTS[0]}' must have shape [batch >= 1, tokens >= 1]; got {list(ids.shape)}")
+    if ids.shape[1] > max_seq_length:
+        raise RequestError(f"'{INPUTS[0]}' has {ids.shape[1]} tokens per row; the limit is {max_seq_length}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise RequestError(f"'{INPUTS[0]}' holds token id {bad}; ids must be in [0, {vocab_size})")
+    if not np.isin(mask, (0, 1)).all():
+        raise RequestError(f"'{INPUTS[1]}' must hold only 0 and 1")
+    return ids, mask
+
+
+def last_real_column(mask: np.ndarray) -> int:
+    """Index of the last column of ``mask`` ``[n, T]`` holding a 1 in any row; 0 when there is none."""
+    columns = np.flatnonzero(mask.any(axis=0))
+    return int(columns[-1]) if columns.size else 0
+
+
+def merge_ragged(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Stack requests of different widths into one batch padded to the longest real sequence.
+
+    Args:
+        pieces: per request (input_ids, attention_mask), int64 ``[n_i, T_i]``.
+
+    Returns:
+        (input_ids, attention_mask), int64 ``[sum n_i, T]`` where ``T`` is one past the last column whose mask is 1
+        in any row (at least 1); padding positions hold id 0 and mask 0, which leaves every row's embedding unchanged.
+    """
+    width = max(last_real_column(mask) + 1 for _, mask in pieces)
+    rows = sum(ids.shape[0] for ids, _ in pieces)
+    ids_out = np.zeros((rows, width), dtype=np.int64)
+    mask_out = np.zeros((rows, width), dtype=np.int64)
+    row = 0
+    for ids, mask in pieces:
+        n, t = ids.shape
+        t = min(t, width)
+        ids_out[row : row + n, :t] = ids[:, :t]
+        mask_out[row : row + n, :t] = mask[:, :t]
+        row += n
+    return ids_out, mask_out
+
+
+class EagerRunner:
+    """Runs the module at the batch's own shape (no buckets, no graphs).
+
+    The length-bucket / CUDA-graph runner (issue 3) replaces this behind the same ``__call__``.
+    """
+
+    def __init__(self, module: torch.jit.ScriptModule, device: torch.device) -> None:
+        """Keep ``module`` (already on ``device``)."""
+        self.module = module
+        self.device = device
+
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Embed int64 ``[B, T]`` inputs; returns float32 ``[B, dim]`` on the host."""
+        with torch.no_grad():
+            ids = torch.from_numpy(input_ids).to(self.device, non_blocking=True)
+            mask = torch.from_numpy(attention_mask).to(self.device, non_blocking=True)
+            return self.module(ids, mask).float().cpu().numpy()
+
+
+class TritonPythonModel:
+    """Encoder step of the ``embed`` ensemble."""
+
+    def initialize(self, args: dict) -> None:
+        """Load the TorchScript module and export limits; set torch's thread count from ``TORCH_NUM_THREADS``."""
+        self.model_config = json.loads(args["model_config"])
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        module_path, manifest_path = version_dir / "model.pt", version_dir / "export.json"
+        for path in (module_path, manifest_path):
+            if not path.is_file():
+                raise pb_utils.TritonModelException(f"{path} not found: run `make model` to export the encoder")
+        manifest = json.loads(manifest_path.read_text())
+        self.max_seq_length = int(manifest["max_seq_length"])
+        self.vocab_size = int(manifest["vocab_size"])
+
+        params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
+        threads = int(params.get("TORCH_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+
+        if args.get("model_instance_kind") == "GPU":
+            device = torch.device("cuda", int(args["model_instance_device_id"]))
+        else:
+            device = torch.device("cpu")
+        module = torch.jit.load(str(module_path), map_location=device).eval()
+        self.runner = EagerRunner(module, device)
+        out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
+        self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
+        self.dim = int(out_cfg["dims"][-1])
+        if self.dim != int(manifest["dim"]):
+            raise pb_utils.TritonModelException(
+                f"config says '{OUTPUT}' has dims [{self.dim}] but {module_path} returns {manifest['dim']}; "
+                "re-run `make model`, which sets the configs' dims"
+            )
+
+    def execute(self, requests: list) -> list:
+        """Validate each request, run all valid ones as one padded batch, return one response per request."""
+        pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
+        errors: dict[int, str] = {}
+        for i, request in enumerate(requests):
+            try:
+                pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
+            except RequestError as exc:
+                errors[i] = str(exc)
+                pieces.append(None)
+
+        valid = [p for p in pieces if p is not None]
+        embeddings = None
+        if valid:
+            ids, mask = merge_ragged(valid)
+            embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
+            if embeddings.shape != (ids.shape[0], self.dim):
+                raise pb_utils.TritonModelException(
+                    f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
+                    f"[{ids.shape[0]}, {self.dim}]"
+                )
+
+        responses = []
+        start = 0
+        for i, piece in enumerate(pieces):
+            if piece is None:
+                error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            n = piece[0].shape[0]
+            out = np.ascontiguousarray(embeddings[start : start + n])
+            start += n
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
+        return responses

@@ -1,0 +1,235 @@
+"""Run the real ``tritonserver`` (from the nvidia-pytriton wheel) on our model repository, on CPU or GPU.
+
+Usage::
+
+    with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0) as server:   # 0 = a free loopback port
+        print(server.grpc_url)    # e.g. 127.0.0.1:40123
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
+
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+READY_MODEL = "embed"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+class ServerError(RuntimeError):
+    """tritonserver failed to start, exited, or did not become ready in time; the message ends with its log tail."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Command-line settings of the embedded server; names follow ``tritonserver --help``.
+
+    Attributes:
+        model_repository: folder with ``embed``, ``tokenizer``, ``encoder``.
+        host: address HTTP, gRPC and metrics bind to; ``127.0.0.1`` keeps the server off the network.
+        http_port, grpc_port, metrics_port: TCP ports; 0 picks a free one at start.
+        cache_size_bytes: size of the local response cache (``--cache-config local,size=N``), bytes.
+        model_config_name: ``--model-config-name`` (e.g. ``libtorch``); None uses each model's ``config.pbtxt``.
+        log_verbose: ``--log-verbose`` level.
+        log_file: where tritonserver's stdout/stderr go; None inherits ours.
+        exit_timeout_s: ``--exit-timeout-secs``, how long shutdown waits for in-flight requests, seconds.
+        extra_args: appended verbatim to the command line.
+    """
+
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    cache_size_bytes: int = 64 * 1024 * 1024
+    model_config_name: str | None = None
+    log_verbose: int = 0
+    log_file: Path | None = None
+    exit_timeout_s: int = 30
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask the kernel to SIGTERM us when the parent dies (no orphan servers)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class EmbeddedServer:
+    """A ``tritonserver`` child process serving our model repository.
+
+    The child gets SIGTERM if this process dies (``PR_SET_PDEATHSIG``; note it is tied to the thread that called
+    :meth:`start`). :meth:`stop` sends SIGINT, waits ``exit_timeout_s + 10`` s, then SIGKILL.
+    """
+
+    def __init__(self, *, config: ServerConfig | None = None, **overrides) -> None:
+        """Take a :class:`ServerConfig` and/or its fields as keywords (``EmbeddedServer(http_port=0)``)."""
+        self.config = replace(config or ServerConfig(), **overrides)
+        self._process: subprocess.Popen | None = None
+        self._log_handle = None
+
+    # -- addresses --------------------------------------------------------------------------------------------
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP/REST endpoint (what tritonclient.http takes)."""
+        return f"{self._client_host}:{self.config.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` of the gRPC endpoint (what tritonclient.grpc takes)."""
+        return f"{self._client_host}:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus metrics URL."""
+        return f"http://{self._client_host}:{self.config.metrics_port}/metrics"
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def command(self) -> list[str]:
+        """The tritonserver command line (after ports are resolved)."""
+        c = self.config
+        layout = find_layout()
+        args = [
+            str(layout.binary),
+            f"--model-repository={c.model_repository}",
+            f"--backend-directory={assemble_backends(layout, DEFAULT_BUILD_DIR)}",
+            f"--cache-directory={layout.cache_dir}",
+            f"--cache-config=local,size={c.cache_size_bytes}",
+            "--model-control-mode=none",
+            "--strict-readiness=true",
+            "--exit-on-error=true",
+            f"--exit-timeout-secs={c.exit_timeout_s}",
+            f"--http-address={c.host}",
+            f"--http-port={c.http_port}",
+            f"--grpc-address={c.host}",
+            f"--grpc-port={c.grpc_port}",
+            "--allow-metrics=true",
+            f"--metrics-address={c.host}",
+            f"--metrics-port={c.metrics_port}",
+            f"--log-verbose={c.log_verbose}",
+        ]
+        if c.model_config_name:
+            args.append(f"--model-config-name={c.model_config_name}")
+        return args + list(c.extra_args)
+
+    def start(self) -> EmbeddedServer:
+        """Start tritonserver; does not wait for readiness (see :meth:`wait_ready`).
+
+        Raises:
+            ServerError: already started. LayoutError: nvidia-pytriton files missing.
+        """
+        if self._process is not None:
+            raise ServerError("server already started")
+        ports = {k: getattr(self.config, k) or free_port() for k in ("http_port", "grpc_port", "metrics_port")}
+        self.config = replace(self.config, **ports)
+        model_pt = self.config.model_repository / "encoder" / "1" / "model.pt"
+        if not model_pt.is_file():
+            raise ServerError(f"{model_pt} not found: run `make model` first")
+        stdout = None
+        if self.config.log_file is not None:
+            self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
+            self._log_handle = open(self.config.log_file, "ab")  # noqa: SIM115 - closed in stop()
+            stdout = self._log_handle
+        self._process = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
+            self.command(),
+            env=server_environment(find_layout()),
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout else None,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads are started between fork and exec
+        )
+        return self
+
+    def is_alive(self) -> bool:
+        """True while the tritonserver process runs."""
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the tritonserver process, or None before start."""
+        return self._process.pid if self._process else None
+
+    def is_ready(self) -> bool:
+        """True when ``GET /v2/models/embed/ready`` answers 200."""
+        url = f"http://{self.http_url}/v2/models/{READY_MODEL}/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - our own http:// URL
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 180.0) -> EmbeddedServer:
+        """Block until the ``embed`` ensemble is READY.
+
+        Raises:
+            ServerError: the process exited, or ``timeout_s`` seconds passed; the message has the log tail.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                code = self._process.returncode if self._process else None
+                raise ServerError(f"tritonserver exited with code {code} before it was ready{self._log_tail()}")
+            if self.is_ready():
+                return self
+            time.sleep(0.25)
+        raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
+
+    def stop(self) -> int | None:
+        """Stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code."""
+        process, self._process = self._process, None
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=self.config.exit_timeout_s + 10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            code = process.returncode
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
+        return code
+
+    def _log_tail(self, lines: int = 40) -> str:
+        if self.config.log_file is None or not self.config.log_file.is_file():
+            return ""
+        tail = self.config.log_file.read_text(errors="replace").splitlines()[-lines:]
+        return f"\n--- last lines of {self.config.log_file} ---\n" + "\n".join(tail)
+
+    def __enter__(self) -> EmbeddedServer:
+        """Start and wait until ready; stop if that fails."""
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Stop the server."""
+        with contextlib.suppress(Exception):
+            self.stop()

