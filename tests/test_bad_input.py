@@ -1,0 +1,93 @@
+"""A bad request gets its own INVALID_ARG error naming the problem; the server keeps serving everyone else."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from helpers import infer, text_tensor
+from tritonclient.utils import InferenceServerException
+
+from triton_embed import EmbeddingClient, InvalidInputError
+from triton_embed.errors import from_triton
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_non_utf8_is_invalid_arg_and_next_request_succeeds(server, protocol):
+    pid = server.pid
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    with pytest.raises(InferenceServerException) as info:
+        infer(url, "embed", {"TEXT": text_tensor([b"ok", b"\xff\xfe broken"])}, ["EMBEDDING"], protocol)
+    message = info.value.message()
+    assert "not valid UTF-8" in message and "row 1" in message and "0xff" in message
+    assert str(info.value.status()) in ("StatusCode.INVALID_ARGUMENT", "400")
+    with EmbeddingClient(url=url, protocol=protocol) as client:
+        assert client.embed(["a good request right after"]).shape == (1, 384)
+    assert server.pid == pid and server.is_alive()
+
+
+def test_bad_request_fails_alone_within_a_batch(server, reference):
+    good = [f"good request number {i} with some words" for i in range(12)]
+
+    def send(item):
+        try:
+            return infer(server.grpc_url, "embed", {"TEXT": text_tensor([item])}, ["EMBEDDING"])["EMBEDDING"]
+        except InferenceServerException as exc:
+            return exc
+
+    with ThreadPoolExecutor(13) as pool:
+        results = list(pool.map(send, [*good[:6], b"\xc3\x28", *good[6:]]))
+    bad = results.pop(6)
+    assert isinstance(bad, InferenceServerException) and "not valid UTF-8" in bad.message()
+    served = np.concatenate(results)
+    expected = reference.encode(good, normalize_embeddings=True)
+    np.testing.assert_allclose(served, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_server_invalid_arg_maps_to_invalid_input_error(server, protocol):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    with pytest.raises(InferenceServerException) as info:
+        infer(url, "embed", {"TEXT": text_tensor([b"\x80"])}, ["EMBEDDING"], protocol)
+    error = from_triton(info.value, model="embed", url=url)
+    assert isinstance(error, InvalidInputError)
+    assert f"model 'embed' at {url}" in str(error) and "not valid UTF-8" in str(error)
+
+
+def test_client_rejects_non_text_before_sending(server):
+    with EmbeddingClient(url=server.grpc_url) as client:
+        with pytest.raises(InvalidInputError, match=r"texts\[1\] is int"):
+            client.embed(["fine", 42])
+
+
+def test_wrong_shape_to_ensemble_is_rejected(server):
+    flat = np.array([b"no batch column"], dtype=np.object_)  # [1] instead of [1, 1]
+    with pytest.raises(InferenceServerException) as info:
+        infer(server.grpc_url, "embed", {"TEXT": flat}, ["EMBEDDING"])
+    assert "TEXT" in info.value.message()
+    assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
+
+
+def encoder_inputs(ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    return {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask", "expected"),
+    [
+        (np.full((1, 5), 1000), np.ones((1, 6)), "'input_ids' has shape [1, 5] but 'attention_mask' has [1, 6]"),
+        (np.full((1, 300), 1000), np.ones((1, 300)), "'input_ids' has 300 tokens per row; the limit is 256"),
+        (np.array([[101, 99999, 102]]), np.ones((1, 3)), "token id 99999; ids must be in [0, 30522)"),
+        (np.array([[101, -1, 102]]), np.ones((1, 3)), "token id -1; ids must be in [0, 30522)"),
+        (np.array([[101, 102]]), np.array([[1, 2]]), "'attention_mask' must hold only 0 and 1"),
+    ],
+    ids=["shape_mismatch", "too_long", "id_too_big", "id_negative", "bad_mask"],
+)
+def test_encoder_rejects_bad_tensors_with_the_limit_and_value(server, ids, mask, expected):
+    with pytest.raises(InferenceServerException) as info:
+        infer(server.grpc_url, "encoder", encoder_inputs(ids, mask), ["embedding__0"])
+    assert expected in info.value.message()
+    assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
+    ok = infer(server.grpc_url, "encoder", encoder_inputs(np.array([[101, 7592, 102]]), np.ones((1, 3))), ["embedding__0"])
+    assert ok["embedding__0"].shape == (1, 384)

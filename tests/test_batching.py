@@ -1,0 +1,109 @@
+"""Dynamic batching: order is kept under concurrent load, and requests of different lengths share executions."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import reference_embed
+from helpers import counts, infer, text_tensor
+
+from triton_embed import EmbeddingClient
+
+WORDS = "the a man woman child dog plays runs guitar piano street park quickly slowly under over".split()
+
+
+def varied_texts(seed: int, count: int) -> list[str]:
+    """Texts of 1..60 words, so requests and rows differ in token length."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 60)))) for _ in range(count)]
+
+
+def test_ensemble_keeps_order_under_16_threads(server, reference):
+    jobs = [varied_texts(seed, int(seed % 5) + 1) for seed in range(96)]  # requests of 1..5 texts
+    expected = reference_embed(reference, [t for job in jobs for t in job])
+
+    def run(job):
+        with EmbeddingClient(url=server.grpc_url) as client:
+            return client.embed(job)
+
+    with ThreadPoolExecutor(16) as pool:
+        served = np.concatenate(list(pool.map(run, jobs)))
+    np.testing.assert_allclose(served, expected, atol=1e-5)
+
+
+def test_tokenizer_step_keeps_order_under_16_threads(server, reference):
+    jobs = [varied_texts(1000 + seed, int(seed % 4) + 1) for seed in range(64)]
+
+    def run(job):
+        out = infer(server.grpc_url, "tokenizer", {"TEXT": text_tensor(job)}, ["input_ids", "attention_mask"])
+        return job, out
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    for job, out in results:
+        want = reference.tokenize(job)
+        width = int(want["attention_mask"].sum(dim=1).max())  # the request's own longest text, no more
+        assert out["input_ids"].shape == (len(job), width)
+        np.testing.assert_array_equal(out["input_ids"], want["input_ids"][:, :width].numpy())
+        np.testing.assert_array_equal(out["attention_mask"], want["attention_mask"][:, :width].numpy())
+
+
+def test_encoder_step_keeps_order_under_16_threads(server, reference):
+    jobs = [varied_texts(2000 + seed, int(seed % 3) + 1) for seed in range(48)]
+
+    def run(job):
+        features = reference.tokenize(job)
+        inputs = {
+            "input_ids": features["input_ids"].numpy().astype(np.int64),
+            "attention_mask": features["attention_mask"].numpy().astype(np.int64),
+        }
+        return infer(server.grpc_url, "encoder", inputs, ["embedding__0"])["embedding__0"]
+
+    with ThreadPoolExecutor(16) as pool:
+        served = np.concatenate(list(pool.map(run, jobs)))
+    np.testing.assert_allclose(served, reference_embed(reference, [t for j in jobs for t in j]), atol=1e-5)
+
+
+def test_two_requests_of_different_lengths_share_one_encoder_execution(server):
+    # Ragged batching: without allow_ragged_batch Triton never merges [1, 4] and [1, 40] shaped requests.
+    merged = []
+    for attempt in range(10):
+        short = f"attempt {attempt} short"
+        long = f"attempt {attempt} " + " ".join(["considerably longer sentence"] * 12)
+        before = counts(server.grpc_url, "encoder")
+        barrier = threading.Barrier(2)
+
+        def send(text):
+            with EmbeddingClient(url=server.grpc_url) as client:
+                client.max_batch_size  # noqa: B018 - fetch the config before the barrier
+                barrier.wait()
+                return client.embed([text])
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(send, [short, long]))
+        after = counts(server.grpc_url, "encoder")
+        assert all(r.shape == (1, 384) for r in results)
+        inferences, executions = after[0] - before[0], after[1] - before[1]
+        assert inferences == 2
+        merged.append(executions)
+        if executions == 1:
+            break
+    assert 1 in merged, f"encoder executions per pair of concurrent requests: {merged}; never merged"
+
+
+@pytest.mark.parametrize("sizes", [(2, 3, 1), (64, 1), (7, 7, 7, 7)])
+def test_uneven_concurrent_requests_get_their_own_rows(server, reference, sizes):
+    jobs = [varied_texts(3000 + i * 10 + n, n) for i, n in enumerate(sizes)]
+
+    def run(job):
+        with EmbeddingClient(url=server.http_url, protocol="http") as client:
+            return client.embed(job)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for job, got in zip(jobs, results, strict=True):
+        assert got.shape == (len(job), 384)
+        np.testing.assert_allclose(got, reference_embed(reference, job), atol=1e-5)

@@ -1,0 +1,48 @@
+"""The triton-embed CLI against the real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from conftest import reference_embed
+
+CLI = [str(Path(sys.executable).parent / "triton-embed")]
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_embed_prints_reference_vectors(server, reference):
+    texts = ["A man is playing a guitar.", "Un homme joue de la guitare."]
+    done = run_cli("embed", "--url", server.grpc_url, *texts)
+    assert done.returncode == 0, done.stderr
+    rows = [[float(x) for x in line.split()] for line in done.stdout.splitlines()]
+    np.testing.assert_allclose(np.array(rows), reference_embed(reference, texts), atol=2e-6)
+
+
+def test_embed_json_from_stdin_over_http(server, reference):
+    done = run_cli("embed", "--json", "--protocol", "http", "--url", server.http_url, stdin="first line\nsecond line\n")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [r["text"] for r in rows] == ["first line", "second line"]
+    served = np.array([r["embedding"] for r in rows])
+    np.testing.assert_allclose(served, reference_embed(reference, ["first line", "second line"]), atol=1e-6)
+
+
+def test_similarity_prints_cosine(server, reference):
+    a, b = "A man is playing a guitar.", "Someone plays an instrument."
+    done = run_cli("similarity", "--url", server.grpc_url, a, b)
+    assert done.returncode == 0, done.stderr
+    expected = float(np.dot(*reference_embed(reference, [a, b])))
+    assert abs(float(done.stdout) - expected) < 1e-5
+
+
+def test_unreachable_server_is_a_clear_error():
+    done = run_cli("similarity", "--url", "127.0.0.1:1", "a", "b")
+    assert done.returncode == 1
+    assert "ServerUnavailableError" in done.stderr and "127.0.0.1:1" in done.stderr

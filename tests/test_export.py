@@ -1,0 +1,56 @@
+"""`make model`: the export writes checked artifacts, skips when up to date, and sets the configs' width."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from triton_embed_server import export as exporter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def copy_configs(dst: Path) -> Path:
+    shutil.copytree(ROOT / "model_repository", dst, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "*.json"))
+    return dst
+
+
+def test_export_writes_checked_artifacts_and_skips_when_up_to_date(tmp_path):
+    repo = copy_configs(tmp_path / "repo")
+    model = exporter.default_model_path()
+    manifest = exporter.export(model, repo)
+    assert manifest.dim == 384 and manifest.max_seq_length == 256 and manifest.pooling == "mean"
+    assert manifest.max_abs_diff < exporter.MAX_ABS_DIFF
+    module = torch.jit.load(str(repo / "encoder" / "1" / "model.pt"))
+    with torch.no_grad():
+        out = module(torch.tensor([[101, 7592, 102]]), torch.ones(1, 3, dtype=torch.int64))
+    assert out.shape == (1, 384) and abs(float(out.norm()) - 1.0) < 1e-5
+    tokenizer = json.loads((repo / "tokenizer" / "1" / "tokenizer.json").read_text())
+    assert tokenizer["truncation"]["max_length"] == 256
+
+    assert exporter.is_up_to_date(model, repo)
+    mtime = (repo / "encoder" / "1" / "model.pt").stat().st_mtime
+    time.sleep(0.01)
+    exporter.export(model, repo)
+    assert (repo / "encoder" / "1" / "model.pt").stat().st_mtime == mtime
+
+
+def test_set_config_dims_rewrites_every_embedding_width(tmp_path):
+    repo = copy_configs(tmp_path / "repo")
+    changed = exporter.set_config_dims(repo, 768)
+    names = sorted(str(p.relative_to(repo)) for p in changed)
+    assert names == ["embed/config.pbtxt", "encoder/config.pbtxt", "encoder/configs/libtorch.pbtxt"]
+    assert "dims: [ 768 ]" in (repo / "embed" / "config.pbtxt").read_text()
+    assert exporter.set_config_dims(repo, 768) == []
+
+
+def test_cli_reports_missing_model_folder(tmp_path, capsys):
+    try:
+        exporter.main(["--model", str(tmp_path), "--repository", str(tmp_path)])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "no modules.json" in capsys.readouterr().err

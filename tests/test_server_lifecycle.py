@@ -1,0 +1,77 @@
+"""`python -m triton_embed_server serve`: starts, reports where it listens, stops on SIGTERM, leaves no orphan."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from triton_embed import EmbeddingClient
+from triton_embed_server.embedded import free_port
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process_gone(pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture
+def serve_process():
+    ports = [str(free_port()) for _ in range(3)]
+    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
+           "--metrics-port", ports[2]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, server_pid = [], None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(r"starting tritonserver \(pid (\d+)\)", line):
+            server_pid = int(m.group(1))
+        if "Ctrl-C stops it" in line:
+            break
+    output = "".join(lines)
+    assert "triton-embed is ready" in output, output[-3000:]
+    yield proc, server_pid, ports, output
+    if proc.poll() is None:
+        proc.kill()
+    if server_pid and not process_gone(server_pid):
+        os.kill(server_pid, signal.SIGKILL)
+
+
+def test_serve_prints_endpoints_and_stops_on_sigterm(serve_process):
+    proc, server_pid, ports, output = serve_process
+    assert f"http://127.0.0.1:{ports[0]}" in output and f"127.0.0.1:{ports[1]}" in output
+    with EmbeddingClient(url=f"127.0.0.1:{ports[1]}") as client:
+        assert client.embed(["served by the foreground server"]).shape == (1, 384)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert process_gone(server_pid)
+
+
+def test_no_orphan_server_when_parent_is_killed(serve_process):
+    proc, server_pid, _, _ = serve_process
+    assert server_pid and not process_gone(server_pid)
+    proc.kill()  # SIGKILL: the parent gets no chance to clean up
+    proc.wait(timeout=10)
+    assert wait_gone(server_pid, timeout_s=60), f"tritonserver {server_pid} still running after its parent died"
