@@ -14,7 +14,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test clean
+.PHONY: install model serve test lint clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ serve: model
 
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf .build .pytest_cache

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from conftest import reference_embed
 from scipy.stats import spearmanr
-
 from triton_embed import EmbeddingClient
 
 # Spearman x100 of cosine vs gold on STS-B dev for in-process all-MiniLM-L6-v2 (measured here, ../shared/NOTES.md).

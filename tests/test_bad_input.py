@@ -7,10 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from helpers import infer, text_tensor
-from tritonclient.utils import InferenceServerException
-
 from triton_embed import EmbeddingClient, InvalidInputError
 from triton_embed.errors import from_triton
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -56,9 +55,8 @@ def test_server_invalid_arg_maps_to_invalid_input_error(server, protocol):
 
 
 def test_client_rejects_non_text_before_sending(server):
-    with EmbeddingClient(url=server.grpc_url) as client:
-        with pytest.raises(InvalidInputError, match=r"texts\[1\] is int"):
-            client.embed(["fine", 42])
+    with EmbeddingClient(url=server.grpc_url) as client, pytest.raises(InvalidInputError, match=r"texts\[1\] is int"):
+        client.embed(["fine", 42])
 
 
 def test_wrong_shape_to_ensemble_is_rejected(server):
@@ -89,5 +87,7 @@ def test_encoder_rejects_bad_tensors_with_the_limit_and_value(server, ids, mask,
         infer(server.grpc_url, "encoder", encoder_inputs(ids, mask), ["embedding__0"])
     assert expected in info.value.message()
     assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
-    ok = infer(server.grpc_url, "encoder", encoder_inputs(np.array([[101, 7592, 102]]), np.ones((1, 3))), ["embedding__0"])
+    ok = infer(
+        server.grpc_url, "encoder", encoder_inputs(np.array([[101, 7592, 102]]), np.ones((1, 3))), ["embedding__0"]
+    )
     assert ok["embedding__0"].shape == (1, 384)

@@ -9,10 +9,26 @@ import numpy as np
 import pytest
 from conftest import reference_embed
 from helpers import counts, infer, text_tensor
-
 from triton_embed import EmbeddingClient
 
-WORDS = "the a man woman child dog plays runs guitar piano street park quickly slowly under over".split()
+WORDS = [
+    "the",
+    "a",
+    "man",
+    "woman",
+    "child",
+    "dog",
+    "plays",
+    "runs",
+    "guitar",
+    "piano",
+    "street",
+    "park",
+    "quickly",
+    "slowly",
+    "under",
+    "over",
+]
 
 
 def varied_texts(seed: int, count: int) -> list[str]:
@@ -76,7 +92,7 @@ def test_two_requests_of_different_lengths_share_one_encoder_execution(server):
         before = counts(server.grpc_url, "encoder")
         barrier = threading.Barrier(2)
 
-        def send(text):
+        def send(text, barrier=barrier):
             with EmbeddingClient(url=server.grpc_url) as client:
                 client.max_batch_size  # noqa: B018 - fetch the config before the barrier
                 barrier.wait()

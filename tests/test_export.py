@@ -8,14 +8,15 @@ import time
 from pathlib import Path
 
 import torch
-
 from triton_embed_server import export as exporter
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def copy_configs(dst: Path) -> Path:
-    shutil.copytree(ROOT / "model_repository", dst, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "*.json"))
+    shutil.copytree(
+        ROOT / "model_repository", dst, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "*.json")
+    )
     return dst
 
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import free_port
 
@@ -36,8 +35,18 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
 @pytest.fixture
 def serve_process():
     ports = [str(free_port()) for _ in range(3)]
-    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
-           "--metrics-port", ports[2]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "triton_embed_server",
+        "serve",
+        "--http-port",
+        ports[0],
+        "--grpc-port",
+        ports[1],
+        "--metrics-port",
+        ports[2],
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, server_pid = [], None
     deadline = time.monotonic() + 240

@@ -1,0 +1,1 @@
+"""triton_embed_server: model export and the embedded tritonserver for triton-embed."""

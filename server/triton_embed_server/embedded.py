@@ -88,7 +88,7 @@ class EmbeddedServer:
     # -- addresses --------------------------------------------------------------------------------------------
     @property
     def _client_host(self) -> str:
-        return "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host  # noqa: S104 - a wildcard is reached via loopback
 
     @property
     def http_url(self) -> str:

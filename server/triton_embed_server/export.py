@@ -211,7 +211,7 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         pooling=info["pooling"],
         max_abs_diff=float(diff.max()),
     )
-    _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", lambda p: tokenizer.save(p))
+    _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
     _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
     _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
     for cfg in set_config_dims(repository, manifest.dim):

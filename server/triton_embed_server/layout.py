@@ -11,6 +11,7 @@ wants them all under one ``--backend-directory``:
 
 from __future__ import annotations
 
+import filecmp
 import os
 import shutil
 import sys
@@ -89,18 +90,26 @@ def assemble_backends(layout: TritonLayout, build_dir: Path = DEFAULT_BUILD_DIR)
         layout.root / "backends" / "python" / "triton_python_backend_utils.py",
         layout.stub(),
     ):
-        shutil.copy2(src, python_dir / src.name)
+        _install_file(src, python_dir / src.name)
     for backend in sorted(p for p in PYTHON_BACKENDS.iterdir() if (p / "model.py").is_file()):
         link = backends / backend.name
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and link.resolve() == backend.resolve():
-                continue
-            if link.is_dir() and not link.is_symlink():
-                shutil.rmtree(link)
-            else:
-                link.unlink()
-        link.symlink_to(backend, target_is_directory=True)
+        if link.is_symlink() and link.resolve() == backend.resolve():
+            continue
+        if link.is_dir() and not link.is_symlink():
+            shutil.rmtree(link)
+        tmp = backends / f".{backend.name}.{os.getpid()}"
+        tmp.symlink_to(backend, target_is_directory=True)
+        os.replace(tmp, link)  # atomic: a server starting at the same time sees the old or the new link
     return backends
+
+
+def _install_file(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` unless identical; via rename, so a stub another server is running stays intact."""
+    if dst.is_file() and filecmp.cmp(src, dst, shallow=False):
+        return
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
 
 
 def server_environment(layout: TritonLayout) -> dict[str, str]:
