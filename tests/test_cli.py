@@ -34,6 +34,13 @@ def test_embed_json_from_stdin_over_http(server, reference):
     np.testing.assert_allclose(served, reference_embed(reference, ["first line", "second line"]), atol=1e-6)
 
 
+def test_stdin_lines_map_one_to_one_to_output_lines(server, reference):
+    done = run_cli("embed", "--url", f"http://{server.grpc_url}", stdin="one\r\n\nthree\n")
+    assert done.returncode == 0, done.stderr
+    rows = np.array([[float(x) for x in line.split()] for line in done.stdout.splitlines()])
+    np.testing.assert_allclose(rows, reference_embed(reference, ["one", "", "three"]), atol=2e-6)
+
+
 def test_similarity_prints_cosine(server, reference):
     a, b = "A man is playing a guitar.", "Someone plays an instrument."
     done = run_cli("similarity", "--url", server.grpc_url, a, b)

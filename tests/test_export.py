@@ -44,7 +44,12 @@ def test_set_config_dims_rewrites_every_embedding_width(tmp_path):
     repo = copy_configs(tmp_path / "repo")
     changed = exporter.set_config_dims(repo, 768)
     names = sorted(str(p.relative_to(repo)) for p in changed)
-    assert names == ["embed/config.pbtxt", "encoder/config.pbtxt", "encoder/configs/libtorch.pbtxt"]
+    assert names == [
+        "embed/config.pbtxt",
+        "encoder/config.pbtxt",
+        "encoder/configs/gpu.pbtxt",
+        "encoder/configs/libtorch.pbtxt",
+    ]
     assert "dims: [ 768 ]" in (repo / "embed" / "config.pbtxt").read_text()
     assert exporter.set_config_dims(repo, 768) == []
 

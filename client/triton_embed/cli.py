@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from triton_embed.client import EmbeddingClient
@@ -21,14 +22,16 @@ from triton_embed.errors import EmbeddingError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triton-embed", description="Client for the triton-embed service.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 / :8000)")
+    common.add_argument(
+        "--url", help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)"
+    )
     common.add_argument("--protocol", choices=("grpc", "http"), help="default: $TRITON_EMBED_PROTOCOL, else grpc")
     common.add_argument("--model", default="embed")
     common.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     common.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", parents=[common], help="print one embedding per text")
-    embed.add_argument("texts", nargs="*", help="texts; none = one text per line from stdin")
+    embed.add_argument("texts", nargs="*", help="texts; none = one text per stdin line (blank lines included)")
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
@@ -44,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                 score = client.similarity(args.a, args.b)
                 print(json.dumps({"a": args.a, "b": args.b, "cosine": score}) if args.json else f"{score:.6f}")
                 return 0
-            texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+            # one text per stdin line, blank lines included (they embed the empty string), so output line i
+            # always belongs to input line i
+            texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
             vectors = client.embed(texts)
             if args.json:
                 rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(texts, vectors, strict=True)]
@@ -53,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                 for vector in vectors:
                     print(" ".join(f"{x:.6f}" for x in vector))
             return 0
-    except EmbeddingError as exc:
+    except (EmbeddingError, ValueError) as exc:
         print(f"triton-embed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `triton-embed embed ... | head -1`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no "Exception ignored" at exit flush
+        return 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,23 @@ INPUT = "TEXT"
 OUTPUT = "EMBEDDING"
 
 
+def normalise_url(url: str) -> str:
+    """Return ``url`` as the ``host:port`` tritonclient wants.
+
+    Drops a scheme (``http://``, ``grpc://``) and a trailing ``/``; a bare ``:port`` means ``127.0.0.1:port``.
+
+    Raises:
+        ValueError: no port, e.g. ``"localhost"``.
+    """
+    host_port = url.strip().split("://", 1)[-1].rstrip("/")
+    if host_port.startswith(":"):
+        host_port = "127.0.0.1" + host_port
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"url must be host:port (e.g. 127.0.0.1:8001); got {url!r}")
+    return host_port
+
+
 def _as_texts(texts: str | Iterable[str]) -> list[str]:
     """Turn a str or an iterable of str into a list; anything else raises InvalidInputError."""
     items = [texts] if isinstance(texts, str) else list(texts)
@@ -48,13 +65,15 @@ class EmbeddingClient:
     ) -> None:
         """Connect lazily; nothing is sent until the first call.
 
+        ``url`` may carry a scheme (``http://127.0.0.1:8000``) or be a bare ``:port`` (on 127.0.0.1).
+
         Raises:
-            ValueError: ``protocol`` is not ``grpc`` or ``http``.
+            ValueError: ``protocol`` is not ``grpc`` or ``http``, or ``url`` is not ``host:port``.
         """
         self.protocol = (protocol or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
         if self.protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http'; got {self.protocol!r}")
-        self.url = url or os.environ.get(URL_ENV) or DEFAULT_URLS[self.protocol]
+        self.url = normalise_url(url or os.environ.get(URL_ENV) or DEFAULT_URLS[self.protocol])
         self.model = model
         self.timeout_s = timeout_s
         if self.protocol == "grpc":

@@ -5,8 +5,14 @@ Loaded by Triton for every model whose config says ``backend: "torchscript"``. T
 float32 [B, dim]``. Limits (``max_seq_length``, ``vocab_size``, ``dim``) come from ``<version>/export.json``.
 
 The config marks both inputs ``allow_ragged_batch``, so one execute may hold requests of different token lengths.
-They are validated one by one (a bad one gets its own INVALID_ARG response), merged into one batch padded only to
-the longest real sequence among them, run ONCE, and the rows are split back per request.
+They are validated one by one (a bad one gets its own INVALID_ARG response), merged into one batch, run ONCE by
+:class:`runners.BucketedRunner` (padded up to a length bucket; CUDA graph replay per bucket on a GPU instance),
+and the rows are split back per request.
+
+Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
+during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
+endpoint: ``triton_embed_bucket_executions_total{model, bucket, path}``, ``triton_embed_real_tokens_total`` and
+``triton_embed_padded_tokens_total`` (padding ratio = real / padded).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
+from buckets import BucketConfigError, settings_from_model_config
+from runners import BucketedRunner
 
 INPUTS = ("input_ids", "attention_mask")
 OUTPUT = "embedding__0"
@@ -94,25 +102,6 @@ def merge_ragged(pieces: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     return ids_out, mask_out
 
 
-class EagerRunner:
-    """Runs the module at the batch's own shape (no buckets, no graphs).
-
-    The length-bucket / CUDA-graph runner (issue 3) replaces this behind the same ``__call__``.
-    """
-
-    def __init__(self, module: torch.jit.ScriptModule, device: torch.device) -> None:
-        """Keep ``module`` (already on ``device``)."""
-        self.module = module
-        self.device = device
-
-    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """Embed int64 ``[B, T]`` inputs; returns float32 ``[B, dim]`` on the host."""
-        with torch.no_grad():
-            ids = torch.from_numpy(input_ids).to(self.device, non_blocking=True)
-            mask = torch.from_numpy(attention_mask).to(self.device, non_blocking=True)
-            return self.module(ids, mask).float().cpu().numpy()
-
-
 class TritonPythonModel:
     """Encoder step of the ``embed`` ensemble."""
 
@@ -136,8 +125,22 @@ class TritonPythonModel:
             device = torch.device("cuda", int(args["model_instance_device_id"]))
         else:
             device = torch.device("cpu")
+        try:
+            settings = settings_from_model_config(self.model_config)
+        except BucketConfigError as exc:
+            raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
         module = torch.jit.load(str(module_path), map_location=device).eval()
-        self.runner = EagerRunner(module, device)
+        self._metrics = _BucketMetrics(args["model_name"])
+        self.runner = BucketedRunner(
+            module,
+            device,
+            settings,
+            on_execute=self._metrics.record,
+            log=lambda line: pb_utils.Logger.log_info(
+                f"{args['model_name']} (instance {args['model_instance_name']}): {line}"
+            ),
+        )
+        self.runner.warmup()
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -146,6 +149,10 @@ class TritonPythonModel:
                 f"config says '{OUTPUT}' has dims [{self.dim}] but {module_path} returns {manifest['dim']}; "
                 "re-run `make model`, which sets the configs' dims"
             )
+
+    def finalize(self) -> None:
+        """Release the metric objects before their families (the order Triton's Python backend requires)."""
+        self._metrics.close()
 
     def execute(self, requests: list) -> list:
         """Validate each request, run all valid ones as one padded batch, return one response per request."""
@@ -181,3 +188,45 @@ class TritonPythonModel:
             start += n
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
         return responses
+
+
+class _BucketMetrics:
+    """Custom metrics on Triton's ``/metrics`` (Python backend ``MetricFamily``), labelled by model."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        counter = pb_utils.MetricFamily.COUNTER
+        self._executions = pb_utils.MetricFamily(
+            name="triton_embed_bucket_executions_total",
+            description="Encoder executions per length bucket (BxT or overflow) and path (graph or eager)",
+            kind=counter,
+        )
+        self._real = pb_utils.MetricFamily(
+            name="triton_embed_real_tokens_total",
+            description="Tokens with attention mask 1 run by the encoder",
+            kind=counter,
+        )
+        self._padded = pb_utils.MetricFamily(
+            name="triton_embed_padded_tokens_total",
+            description="Tokens the encoder computed including padding (padded batch x padded length)",
+            kind=counter,
+        )
+        self._real_metric = self._real.Metric(labels={"model": model})
+        self._padded_metric = self._padded.Metric(labels={"model": model})
+        self._by_bucket: dict[tuple[str, str], object] = {}
+
+    def record(self, bucket: str, path: str, real_tokens: int, padded_tokens: int) -> None:
+        """Count one execution."""
+        metric = self._by_bucket.get((bucket, path))
+        if metric is None:
+            metric = self._executions.Metric(labels={"model": self.model, "bucket": bucket, "path": path})
+            self._by_bucket[(bucket, path)] = metric
+        metric.increment(1)
+        self._real_metric.increment(real_tokens)
+        self._padded_metric.increment(padded_tokens)
+
+    def close(self) -> None:
+        """Drop metrics, then families."""
+        self._by_bucket.clear()
+        self._real_metric = self._padded_metric = None
+        self._executions = self._real = self._padded = None

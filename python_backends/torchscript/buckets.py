@@ -1,0 +1,162 @@
+"""Length buckets for the ``torchscript`` backend: one list of (batch size, length) shapes, one derived lookup.
+
+A batch of ``B`` rows whose longest sequence is ``T`` tokens runs padded up to the smallest bucket that holds it
+(fewest padded tokens ``b * l``; ties go to the shorter length). A batch larger than every bucket, or longer,
+has no bucket and runs eagerly at its exact shape; the runner counts those.
+
+The list comes from the model config's standard CUDA-graph fields, as TensorRT's backend reads them::
+
+    optimization { cuda {
+      graphs: true
+      graph_spec [ { batch_size: 8  input { key: "input_ids" value: { dim: [ 32 ] } } }, ... ]
+    } }
+
+and defaults to the grid ``DEFAULT_BATCH_SIZES x DEFAULT_LENGTHS`` when no ``graph_spec`` is given. This module
+is pure Python + NumPy (no torch, no Triton) so it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_LENGTHS = (16, 32, 64, 128, 256)
+
+
+class BucketConfigError(ValueError):
+    """The model config's bucket list is malformed; the message names the field and the value."""
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """One padded shape: ``batch_size`` rows x ``length`` tokens."""
+
+    batch_size: int
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        """Padded tokens in one execution of this bucket (``batch_size * length``)."""
+        return self.batch_size * self.length
+
+    def __str__(self) -> str:
+        return f"{self.batch_size}x{self.length}"
+
+
+class BucketTable:
+    """The bucket list and its lookup table.
+
+    Attributes:
+        buckets: the buckets, largest first (the order CUDA graphs are captured in, so smaller graphs reuse the
+            memory pool of the larger ones).
+        max_batch_size, max_length: the largest batch size / length any bucket holds.
+    """
+
+    def __init__(self, buckets: Iterable[tuple[int, int] | Bucket]) -> None:
+        """Build from ``(batch_size, length)`` pairs (duplicates dropped).
+
+        Raises:
+            BucketConfigError: the list is empty or a size is not a positive integer.
+        """
+        unique = {Bucket(int(b), int(length)) for b, length in (_pair(x) for x in buckets)}
+        if not unique:
+            raise BucketConfigError("no buckets given")
+        for bucket in unique:
+            if bucket.batch_size < 1 or bucket.length < 1:
+                raise BucketConfigError(f"bucket {bucket} must have batch_size >= 1 and length >= 1")
+        self.buckets = tuple(sorted(unique, key=lambda k: (-k.tokens, -k.length)))
+        self.max_batch_size = max(k.batch_size for k in unique)
+        self.max_length = max(k.length for k in unique)
+        # _index[b, t] = position in self.buckets of the bucket for a batch of b rows and t tokens, -1 if none.
+        best = np.full((self.max_batch_size + 1, self.max_length + 1), -1, dtype=np.int32)
+        cost = np.full(best.shape, np.iinfo(np.int64).max, dtype=np.int64)
+        for i, k in enumerate(self.buckets):
+            better = cost[: k.batch_size + 1, : k.length + 1] >= k.tokens  # later (smaller/shorter) wins ties
+            best[: k.batch_size + 1, : k.length + 1][better] = i
+            cost[: k.batch_size + 1, : k.length + 1][better] = k.tokens
+        self._index = best
+
+    @classmethod
+    def grid(cls, batch_sizes: Iterable[int], lengths: Iterable[int]) -> BucketTable:
+        """Every combination of ``batch_sizes`` and ``lengths``."""
+        return cls((b, length) for b in batch_sizes for length in lengths)
+
+    def lookup(self, batch_size: int, length: int) -> Bucket | None:
+        """The smallest bucket holding ``batch_size`` rows of ``length`` tokens, or None above the largest."""
+        if batch_size < 1 or length < 1:
+            raise ValueError(f"batch_size and length must be >= 1; got {batch_size}, {length}")
+        if batch_size > self.max_batch_size or length > self.max_length:
+            return None
+        i = int(self._index[batch_size, length])
+        return self.buckets[i] if i >= 0 else None
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __repr__(self) -> str:
+        return f"BucketTable([{', '.join(map(str, sorted(self.buckets)))}])"
+
+
+def _pair(item: tuple[int, int] | Bucket) -> tuple[int, int]:
+    return (item.batch_size, item.length) if isinstance(item, Bucket) else item
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """What ``optimization.cuda`` in the model config asks for.
+
+    Attributes:
+        graphs: ``optimization.cuda.graphs``: capture CUDA graphs (only on a GPU instance).
+        table: the buckets, from ``graph_spec`` or the default grid.
+        from_config: True when ``graph_spec`` gave the buckets, False for the default grid.
+    """
+
+    graphs: bool
+    table: BucketTable
+    from_config: bool
+
+
+def settings_from_model_config(config: dict, *, input_name: str = "input_ids") -> GraphSettings:
+    """Read buckets and the graphs flag from a model config as Triton passes it (``json.loads(args["model_config"])``).
+
+    ``graph_spec`` entries need ``batch_size`` in ``[1, max_batch_size]`` and ``input[input_name].dim`` holding one
+    positive length (protobuf's JSON form gives int64 as strings; both are accepted).
+
+    Raises:
+        BucketConfigError: a malformed entry; the message names the field path and the value received.
+    """
+    cuda = (config.get("optimization") or {}).get("cuda") or {}
+    graphs = bool(cuda.get("graphs", False))
+    specs = cuda.get("graph_spec") or []
+    if not specs:
+        return GraphSettings(graphs, BucketTable.grid(DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS), from_config=False)
+    max_batch = int(config.get("max_batch_size", 0) or 0)
+    pairs = []
+    for i, spec in enumerate(specs):
+        field = f"optimization.cuda.graph_spec[{i}]"
+        batch = _positive_int(spec.get("batch_size"), f"{field}.batch_size")
+        if max_batch and batch > max_batch:
+            raise BucketConfigError(f"{field}.batch_size is {batch}; the model's max_batch_size is {max_batch}")
+        shape = (spec.get("input") or {}).get(input_name)
+        if shape is None:
+            raise BucketConfigError(
+                f"{field}.input has no '{input_name}' entry; got keys {sorted(spec.get('input', {}))}"
+            )
+        dims = shape.get("dim") or []
+        if len(dims) != 1:
+            raise BucketConfigError(f"{field}.input['{input_name}'].dim must hold one length; got {list(dims)}")
+        pairs.append((batch, _positive_int(dims[0], f"{field}.input['{input_name}'].dim[0]")))
+    return GraphSettings(graphs, BucketTable(pairs), from_config=True)
+
+
+def _positive_int(value: object, field: str) -> int:
+    try:
+        number = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise BucketConfigError(f"{field} must be a positive integer; got {value!r}") from None
+    if number < 1:
+        raise BucketConfigError(f"{field} must be a positive integer; got {number}")
+    return number

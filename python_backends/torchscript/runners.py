@@ -1,0 +1,179 @@
+"""Runs the TorchScript encoder on padded batches: length buckets everywhere, CUDA graph replay on a GPU.
+
+No Triton imports here, so the runner is tested directly on CPU against the exported module.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from buckets import Bucket, GraphSettings
+
+OVERFLOW = "overflow"
+"""Stats label of batches above the largest bucket (run eagerly at their exact shape)."""
+
+
+@dataclass
+class RunnerStats:
+    """Counters since load, per bucket label (``"8x32"`` or ``OVERFLOW``) and path (``graph`` / ``eager``).
+
+    Attributes:
+        executions: ``Counter[(label, path)]``, module runs.
+        real_tokens: tokens whose mask is 1, summed over executions.
+        padded_tokens: tokens the module actually processed (padded batch size x padded length).
+    """
+
+    executions: Counter = field(default_factory=Counter)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+    @property
+    def padding_ratio(self) -> float:
+        """Real / padded tokens, 1.0 = no padding waste (1.0 before the first execution)."""
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    output: torch.Tensor
+
+
+class BucketedRunner:
+    """Pads each batch up to its bucket and runs the module once per batch.
+
+    * Graph path (a CUDA device and ``settings.graphs``): one ``torch.cuda.CUDAGraph`` per bucket, captured at
+      :meth:`warmup`; a batch is padded in both batch size and length, copied into the bucket's static buffers,
+      replayed, and its real rows sliced out.
+    * Eager path (CPU, graphs off, or no bucket): the batch is padded to its bucket's *length* only; padding rows
+      would cost compute linearly and buys nothing without a graph. Above the largest bucket the batch runs at its
+      exact shape and is counted under ``OVERFLOW``.
+
+    Padding positions hold id 0 and mask 0, which leaves every real row's embedding unchanged.
+    """
+
+    def __init__(
+        self,
+        module: torch.jit.ScriptModule,
+        device: torch.device,
+        settings: GraphSettings,
+        *,
+        on_execute: Callable[[str, str, int, int], None] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        """Keep the module (already on ``device``); nothing runs until :meth:`warmup`.
+
+        Args:
+            module: ``(input_ids int64 [B, T], attention_mask int64 [B, T]) -> float32 [B, dim]``.
+            device: where the module lives.
+            settings: buckets and the graphs flag (``buckets.settings_from_model_config``).
+            on_execute: called after each run with (bucket label, path, real tokens, padded tokens), for metrics.
+            log: where load-time lines go.
+        """
+        self.module = module
+        self.device = device
+        self.table = settings.table
+        self.use_graphs = settings.graphs and device.type == "cuda"
+        self.on_execute = on_execute
+        self.log = log
+        self.stats = RunnerStats()
+        self._graphs: dict[Bucket, _Graph] = {}
+
+    # -- load time --------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Run every bucket once (and capture its graph on GPU), so no request pays first-run costs.
+
+        On the eager path each bucket length runs at batch 1 and at the bucket's batch size is not needed: the
+        module's cost there depends on the shape only, and TorchScript's profiling runs are per length.
+        """
+        start = time.perf_counter()
+        if self.use_graphs:
+            self._capture_all()
+        else:
+            with torch.no_grad():
+                for length in sorted({k.length for k in self.table.buckets}, reverse=True):
+                    for batch in (1, 2):
+                        ids, mask = self._dummy(batch, length)
+                        self.module(ids, mask)
+        took = time.perf_counter() - start
+        path = f"CUDA graphs on {self.device}" if self.use_graphs else f"eager on {self.device}"
+        self.log(f"warmup done in {took:.1f} s: {len(self.table)} buckets, {path}; buckets {self.table!r}")
+
+    def _dummy(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.full((batch, length), 100, dtype=torch.int64, device=self.device)
+        return ids, torch.ones_like(ids)
+
+    def _capture_all(self, warmup_iters: int = 3) -> None:
+        """Capture one graph per bucket, largest first, all in one memory pool."""
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream(self.device)
+        with torch.no_grad(), torch.jit.optimized_execution(False):
+            for bucket in self.table.buckets:  # largest first: smaller graphs reuse the larger ones' pool
+                ids, mask = self._dummy(bucket.batch_size, bucket.length)
+                side = torch.cuda.Stream(device=self.device)
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    for _ in range(warmup_iters):
+                        self.module(ids, mask)
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self.module(ids, mask)
+                self._graphs[bucket] = _Graph(graph, ids, mask, output)
+        torch.cuda.synchronize(self.device)
+        used = (torch.cuda.memory_reserved(self.device) - reserved_before) / 2**20
+        self.log(f"captured {len(self._graphs)} CUDA graphs in {time.perf_counter() - start:.1f} s, {used:.0f} MiB")
+
+    # -- serving ----------------------------------------------------------------------------------------------
+    def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Embed int64 ``[B, T]`` inputs (right-padded, mask 0 on padding); returns float32 ``[B, dim]`` on the host."""
+        batch, length = input_ids.shape
+        bucket = self.table.lookup(batch, length)
+        real = int(attention_mask.sum())
+        if bucket is not None and bucket in self._graphs:
+            out = self._replay(self._graphs[bucket], input_ids, attention_mask)
+            self._count(str(bucket), "graph", real, bucket.tokens)
+            return out
+        padded_length = bucket.length if bucket is not None else length
+        ids, mask = _pad(input_ids, attention_mask, batch, padded_length)
+        with torch.no_grad():
+            out = self.module(torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device))
+        self._count(str(bucket) if bucket else OVERFLOW, "eager", real, batch * padded_length)
+        return out.float().cpu().numpy()
+
+    def _replay(self, g: _Graph, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        batch = input_ids.shape[0]
+        ids, mask = _pad(input_ids, attention_mask, g.input_ids.shape[0], g.input_ids.shape[1])
+        g.input_ids.copy_(torch.from_numpy(ids))
+        g.attention_mask.copy_(torch.from_numpy(mask))
+        g.graph.replay()
+        return g.output[:batch].float().cpu().numpy()  # .cpu() waits for the replay; a copy, not the static buffer
+
+    def _count(self, label: str, path: str, real: int, padded: int) -> None:
+        self.stats.executions[(label, path)] += 1
+        self.stats.real_tokens += real
+        self.stats.padded_tokens += padded
+        if self.on_execute is not None:
+            self.on_execute(label, path, real, padded)
+
+
+def _pad(input_ids: np.ndarray, attention_mask: np.ndarray, rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Zero-pad ``[B, T]`` inputs to ``[rows, length]`` (rows >= B, length >= T); no copy when already that shape."""
+    if input_ids.shape == (rows, length):
+        return input_ids, attention_mask
+    ids = np.zeros((rows, length), dtype=np.int64)
+    mask = np.zeros((rows, length), dtype=np.int64)
+    b, t = input_ids.shape
+    ids[:b, :t] = input_ids
+    mask[:b, :t] = attention_mask
+    return ids, mask

@@ -1,0 +1,54 @@
+"""Per-bucket statistics on Triton's metrics endpoint and in the load log."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import urllib.request
+
+from triton_embed import EmbeddingClient
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - our own loopback server
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def bucket_samples(samples: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in samples.items() if k.startswith("triton_embed_bucket_executions_total{")}
+
+
+def test_bucket_executions_and_padding_tokens_are_exported(server):
+    before = scrape(server.metrics_url)
+    unique = secrets.randbelow(10**6)  # no response-cache hit from an earlier run
+    texts = [f"hi {unique}", f"{unique} a somewhat longer sentence that needs more than sixteen tokens to be encoded"]
+    with EmbeddingClient(url=server.grpc_url) as client:
+        for text in texts:
+            client.embed([text])
+    after = scrape(server.metrics_url)
+
+    grew = {k: after[k] - before.get(k, 0.0) for k in bucket_samples(after) if after[k] > before.get(k, 0.0)}
+    assert sum(grew.values()) == 2, grew
+    assert all('model="encoder"' in k and 'path="eager"' in k for k in grew)
+    lengths = sorted(int(re.search(r'bucket="\d+x(\d+)"', k).group(1)) for k in grew for _ in range(int(grew[k])))
+    assert lengths[0] <= 8 and lengths[-1] >= 24  # the short text took a short bucket, the long one a longer one
+
+    real = after['triton_embed_real_tokens_total{model="encoder"}'] - before.get(
+        'triton_embed_real_tokens_total{model="encoder"}', 0.0
+    )
+    padded = after['triton_embed_padded_tokens_total{model="encoder"}'] - before.get(
+        'triton_embed_padded_tokens_total{model="encoder"}', 0.0
+    )
+    assert 0 < real <= padded
+
+
+def test_load_log_names_the_buckets(server):
+    log = server.config.log_file.read_text()
+    line = next(x for x in log.splitlines() if "warmup done" in x)
+    assert "10 buckets" in line and "eager on cpu" in line and "64x256" in line

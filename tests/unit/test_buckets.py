@@ -1,0 +1,103 @@
+"""Bucket list and lookup (python_backends/torchscript/buckets.py): pure logic, no server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "torchscript"))
+
+from buckets import (  # noqa: E402
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_LENGTHS,
+    Bucket,
+    BucketConfigError,
+    BucketTable,
+    settings_from_model_config,
+)
+
+GRID = BucketTable.grid(DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS)
+
+
+@pytest.mark.parametrize(
+    ("batch", "length", "expected"),
+    [
+        ((1, 1), None, Bucket(1, 16)),
+        ((3, 17), None, Bucket(4, 32)),
+        ((5, 16), None, Bucket(8, 16)),
+        ((64, 256), None, Bucket(64, 256)),
+        ((33, 129), None, Bucket(64, 256)),
+        ((65, 10), None, None),
+        ((1, 257), None, None),
+    ],
+)
+def test_default_grid_examples(batch, length, expected):
+    assert GRID.lookup(*batch) == expected
+
+
+def test_every_shape_maps_to_the_smallest_bucket_that_holds_it():
+    for batch in range(1, 65):
+        for length in range(1, 257):
+            got = GRID.lookup(batch, length)
+            holding = [k for k in GRID.buckets if k.batch_size >= batch and k.length >= length]
+            assert got in holding
+            assert got.tokens == min(k.tokens for k in holding), (batch, length, got)
+
+
+def test_sparse_list_picks_fewest_padded_tokens_and_prefers_shorter_on_ties():
+    table = BucketTable([(8, 128), (64, 16), (16, 64), (2, 512)])
+    assert table.lookup(4, 20) == Bucket(16, 64)  # 8x128 and 16x64 hold it, both 1024 tokens: the shorter wins
+    table = BucketTable([(8, 128), (64, 16)])
+    assert table.lookup(30, 16) == Bucket(64, 16)
+    assert table.lookup(9, 17) is None  # inside the maxima, but no single bucket holds it
+    assert table.lookup(1, 200) is None
+
+
+def test_buckets_are_ordered_largest_first_for_capture():
+    tokens = [k.tokens for k in GRID.buckets]
+    assert tokens == sorted(tokens, reverse=True)
+    assert GRID.buckets[0] == Bucket(64, 256) and GRID.buckets[-1] == Bucket(1, 16)
+    assert len(GRID) == len(DEFAULT_BATCH_SIZES) * len(DEFAULT_LENGTHS)
+
+
+def spec(batch, dims, key="input_ids"):
+    return {"batch_size": batch, "input": {key: {"dim": dims}}}
+
+
+def test_graph_spec_present_gives_the_buckets():
+    config = {
+        "max_batch_size": 64,
+        "optimization": {"cuda": {"graphs": True, "graph_spec": [spec(1, ["16"]), spec(8, ["32"]), spec(64, [128])]}},
+    }
+    settings = settings_from_model_config(config)
+    assert settings.graphs and settings.from_config
+    assert sorted(settings.table.buckets) == [Bucket(1, 16), Bucket(8, 32), Bucket(64, 128)]
+
+
+def test_graph_spec_absent_gives_the_default_grid():
+    settings = settings_from_model_config({"max_batch_size": 64})
+    assert not settings.graphs and not settings.from_config
+    assert sorted(settings.table.buckets) == sorted(GRID.buckets)
+    assert settings_from_model_config({"optimization": {"cuda": {"graphs": True}}}).graphs
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (spec(0, ["16"]), r"graph_spec\[1\]\.batch_size must be a positive integer; got 0"),
+        (spec(128, ["16"]), r"graph_spec\[1\]\.batch_size is 128; the model's max_batch_size is 64"),
+        (spec(8, ["16"], key="attention_mask"), r"graph_spec\[1\]\.input has no 'input_ids' entry"),
+        (spec(8, ["16", "2"]), r"graph_spec\[1\]\.input\['input_ids'\]\.dim must hold one length; got \['16', '2'\]"),
+        (spec(8, ["abc"]), r"graph_spec\[1\]\.input\['input_ids'\]\.dim\[0\] must be a positive integer; got 'abc'"),
+        (
+            {"input": {"input_ids": {"dim": ["16"]}}},
+            r"graph_spec\[1\]\.batch_size must be a positive integer; got None",
+        ),
+    ],
+)
+def test_malformed_graph_spec_names_the_field_and_value(entry, message):
+    config = {"max_batch_size": 64, "optimization": {"cuda": {"graph_spec": [spec(1, ["16"]), entry]}}}
+    with pytest.raises(BucketConfigError, match=message):
+        settings_from_model_config(config)
