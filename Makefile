@@ -14,7 +14,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint clean
+.PHONY: install model serve test lint bench clean
 
 install: $(STAMP)
 
@@ -44,3 +44,7 @@ lint: install
 clean:
 	rm -rf .build .pytest_cache
 	find model_repository -path '*/1/*' ! -name .gitkeep -delete
+
+# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets); ~10 min.
+bench: model
+	$(PY) -m bench.run $(BENCH_ARGS)

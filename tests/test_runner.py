@@ -57,22 +57,36 @@ def test_bucketed_equals_unbucketed_per_request(module, rows, max_len):
     assert out.shape == (rows, 384) and out.dtype == np.float32
     np.testing.assert_allclose(out, unbucketed(module, ids, mask, lengths), atol=1e-5)
 
-    bucket = GRID.lookup(rows, max_len)
-    label = str(bucket) if bucket else OVERFLOW
-    assert runner.stats.executions == {(label, "eager"): 1}
-    padded_length = bucket.length if bucket else max_len
-    assert runner.stats.padded_tokens == rows * padded_length  # eager path: length padded, batch exact
+    labels = {str(k) for k in GRID.buckets} | {OVERFLOW}
+    assert set(runner.stats.executions) <= {(label, "eager") for label in labels}
     assert runner.stats.real_tokens == sum(lengths)
+    one_block = rows * (GRID.lookup(rows, max_len).length if GRID.lookup(rows, max_len) else max_len)
+    assert sum(lengths) <= runner.stats.padded_tokens <= one_block  # chunking never pads more than one block
+
+
+def test_mixed_lengths_split_into_cheaper_chunks(module):
+    # 30 short rows and 2 long ones: one block would pad all 32 rows to 256 tokens.
+    rng = np.random.default_rng(11)
+    ids, mask, lengths = ragged_batch(rng, 32, 12)
+    long_ids, long_mask, long_lengths = ragged_batch(rng, 2, 250)
+    ids = np.concatenate([np.pad(ids, ((0, 0), (0, 238))), long_ids])
+    mask = np.concatenate([np.pad(mask, ((0, 0), (0, 238))), long_mask])
+    order = rng.permutation(34)
+    ids, mask, lengths = ids[order], mask[order], [(lengths + long_lengths)[i] for i in order]
+    runner = BucketedRunner(module, torch.device("cpu"), GraphSettings(False, GRID, False), log=lambda _: None)
+    out = runner(ids, mask)
+    np.testing.assert_allclose(out, unbucketed(module, ids, mask, lengths), atol=1e-5)
+    assert runner.stats.executions == {("32x16", "eager"): 1, ("2x256", "eager"): 1}
+    assert runner.stats.padded_tokens == 32 * 16 + 2 * 256
 
 
 def test_overflow_batches_run_at_their_exact_shape_and_are_counted(module):
-    rng = np.random.default_rng(7)
     runner = BucketedRunner(module, torch.device("cpu"), GraphSettings(False, GRID, False), log=lambda _: None)
-    for rows, max_len in [(65, 10), (2, 300), (4, 20)]:
-        ids, mask, _ = ragged_batch(rng, rows, max_len)
-        runner(ids, mask)
+    for rows, length in [(65, 10), (1, 300), (4, 20)]:  # all rows of a batch equally long: no split pays
+        ids = np.full((rows, length), 1000, dtype=np.int64)
+        runner(ids, np.ones_like(ids))
     assert runner.stats.executions == {(OVERFLOW, "eager"): 2, ("4x32", "eager"): 1}
-    assert runner.stats.padded_tokens == 65 * 10 + 2 * 300 + 4 * 32
+    assert runner.stats.padded_tokens == 65 * 10 + 1 * 300 + 4 * 32
 
 
 def test_warmup_logs_the_buckets(module):

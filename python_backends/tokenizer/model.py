@@ -23,6 +23,9 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
+# Batches here are a few short texts: the Rust thread pool of encode_batch only fights the encoder's torch
+# threads for the cores (measured: tokenizer execution 4.1 ms -> 1.4 ms at 16 clients on 2 cores).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import triton_python_backend_utils as pb_utils

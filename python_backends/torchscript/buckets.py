@@ -160,3 +160,34 @@ def _positive_int(value: object, field: str) -> int:
     if number < 1:
         raise BucketConfigError(f"{field} must be a positive integer; got {number}")
     return number
+
+
+def plan_chunks(lengths: list[int], cost, overhead: float) -> list[tuple[int, int]]:
+    """Split rows, sorted by length, into consecutive chunks that minimise total cost (dynamic programming).
+
+    A batch of random sentences padded as one block wastes most of its tokens on the few long rows; running
+    the short rows and the long rows as separate executions costs one extra launch but far fewer padded tokens.
+    sentence-transformers gets the same effect in process by sorting its input by length before batching.
+
+    Args:
+        lengths: real token counts, ascending (``lengths[i] <= lengths[i + 1]``).
+        cost: ``cost(rows, length) -> float``, padded tokens one execution of ``rows`` rows of up to ``length``
+            tokens costs (e.g. its bucket's padded tokens).
+        overhead: fixed cost of one more execution, in the same unit (tokens).
+
+    Returns:
+        ``[(start, end), ...]`` half-open row ranges covering ``0..len(lengths)`` in order.
+    """
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: cheapest plan for rows [0, j)
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for start in range(end):
+            total = best[start] + overhead + cost(end - start, lengths[end - 1])
+            if total < best[end]:
+                best[end], cut[end] = total, start
+    chunks, end = [], n
+    while end > 0:
+        chunks.append((cut[end], end))
+        end = cut[end]
+    return chunks[::-1]

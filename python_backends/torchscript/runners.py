@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from buckets import Bucket, GraphSettings
+from buckets import Bucket, GraphSettings, plan_chunks
+
+CHUNK_OVERHEAD_TOKENS = 32
+"""Cost of one more execution, in padded tokens: a (1, 16) run of the MiniLM module takes ~3 ms on this 2-core
+CPU where each extra token costs ~0.1-0.17 ms, so a launch is worth ~16-32 tokens (docs/benchmarks.md)."""
 
 OVERFLOW = "overflow"
 """Stats label of batches above the largest bucket (run eagerly at their exact shape)."""
@@ -67,6 +71,7 @@ class BucketedRunner:
         *,
         on_execute: Callable[[str, str, int, int], None] | None = None,
         log: Callable[[str], None] = print,
+        chunk_overhead_tokens: int = CHUNK_OVERHEAD_TOKENS,
     ) -> None:
         """Keep the module (already on ``device``); nothing runs until :meth:`warmup`.
 
@@ -76,6 +81,7 @@ class BucketedRunner:
             settings: buckets and the graphs flag (``buckets.settings_from_model_config``).
             on_execute: called after each run with (bucket label, path, real tokens, padded tokens), for metrics.
             log: where load-time lines go.
+            chunk_overhead_tokens: what splitting a batch into one more execution must save, in padded tokens.
         """
         self.module = module
         self.device = device
@@ -83,6 +89,7 @@ class BucketedRunner:
         self.use_graphs = settings.graphs and device.type == "cuda"
         self.on_execute = on_execute
         self.log = log
+        self.chunk_overhead_tokens = chunk_overhead_tokens
         self.stats = RunnerStats()
         self._graphs: dict[Bucket, _Graph] = {}
 
@@ -136,7 +143,33 @@ class BucketedRunner:
 
     # -- serving ----------------------------------------------------------------------------------------------
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """Embed int64 ``[B, T]`` inputs (right-padded, mask 0 on padding); returns float32 ``[B, dim]`` on the host."""
+        """Embed int64 ``[B, T]`` inputs (right-padded, mask 0 on padding); returns float32 ``[B, dim]`` on the host.
+
+        Rows are sorted by real length and split into the chunks :func:`buckets.plan_chunks` finds cheapest
+        (``CHUNK_OVERHEAD_TOKENS`` per extra execution); each chunk runs padded to its own bucket.
+        """
+        lengths = _real_lengths(attention_mask)
+        order = np.argsort(lengths, kind="stable")
+        sorted_lengths = [int(x) for x in lengths[order]]
+        out = None
+        for start, end in plan_chunks(sorted_lengths, self._chunk_cost, self.chunk_overhead_tokens):
+            rows = order[start:end]
+            width = max(1, sorted_lengths[end - 1])
+            part = self._run(input_ids[rows, :width], attention_mask[rows, :width])
+            if out is None:
+                out = np.empty((input_ids.shape[0], part.shape[1]), dtype=part.dtype)
+            out[rows] = part
+        return out
+
+    def _chunk_cost(self, rows: int, length: int) -> int:
+        """Padded tokens one execution of ``rows`` x ``length`` costs on this runner's path."""
+        bucket = self.table.lookup(rows, max(1, length))
+        if bucket is None:
+            return rows * length
+        return bucket.tokens if bucket in self._graphs else rows * bucket.length
+
+    def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """One execution: graph replay of the batch's bucket, or eager padded to its bucket length (exact above)."""
         batch, length = input_ids.shape
         bucket = self.table.lookup(batch, length)
         real = int(attention_mask.sum())
@@ -165,6 +198,13 @@ class BucketedRunner:
         self.stats.padded_tokens += padded
         if self.on_execute is not None:
             self.on_execute(label, path, real, padded)
+
+
+def _real_lengths(attention_mask: np.ndarray) -> np.ndarray:
+    """Per row, one past the last position whose mask is 1 (0 for an all-padding row)."""
+    has = attention_mask.astype(bool)
+    last = attention_mask.shape[1] - np.argmax(has[:, ::-1], axis=1)
+    return np.where(has.any(axis=1), last, 0)
 
 
 def _pad(input_ids: np.ndarray, attention_mask: np.ndarray, rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ from buckets import (  # noqa: E402
     Bucket,
     BucketConfigError,
     BucketTable,
+    plan_chunks,
     settings_from_model_config,
 )
 
@@ -101,3 +102,43 @@ def test_malformed_graph_spec_names_the_field_and_value(entry, message):
     config = {"max_batch_size": 64, "optimization": {"cuda": {"graph_spec": [spec(1, ["16"]), entry]}}}
     with pytest.raises(BucketConfigError, match=message):
         settings_from_model_config(config)
+
+
+def eager_cost(table):
+    def cost(rows, length):
+        bucket = table.lookup(rows, length)
+        return rows * (bucket.length if bucket else length)
+
+    return cost
+
+
+def test_plan_keeps_uniform_batches_whole():
+    assert plan_chunks([14] * 20, eager_cost(GRID), overhead=32) == [(0, 20)]
+
+
+def test_plan_splits_off_long_rows():
+    lengths = [10] * 30 + [200, 250]
+    assert plan_chunks(lengths, eager_cost(GRID), overhead=32) == [(0, 30), (30, 32)]
+
+
+def test_plan_is_optimal_against_brute_force():
+    import itertools
+    import random
+
+    rnd = random.Random(5)
+    cost = eager_cost(GRID)
+    for _ in range(30):
+        lengths = sorted(rnd.randint(1, 256) for _ in range(rnd.randint(1, 9)))
+        plan = plan_chunks(lengths, cost, overhead=20)
+        assert plan[0][0] == 0 and plan[-1][1] == len(lengths)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(plan))
+
+        def total(chunks, lengths=lengths):
+            return sum(20 + cost(e - s, lengths[e - 1]) for s, e in chunks)
+
+        best = min(
+            total(list(itertools.pairwise([0, *cuts, len(lengths)])))
+            for k in range(len(lengths))
+            for cuts in itertools.combinations(range(1, len(lengths)), k)
+        )
+        assert total(plan) == best

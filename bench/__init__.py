@@ -1,0 +1,1 @@
+"""Benchmarks: make bench (bench/run.py) and the naive baseline server."""

