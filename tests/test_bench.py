@@ -1,0 +1,41 @@
+"""`make bench` runs end to end (a tiny run: one level, half a second); it asserts the report, not the speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import run as bench_run
+
+
+def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(p.a for p in sts_dev[:200]))
+    code = bench_run.main(
+        ["--corpus", str(corpus), "--levels", "1,2", "--duration", "0.5", "--out", str(tmp_path / "out")]
+    )
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "latest.json").read_text())
+    assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets"}
+    for name, data in results["systems"].items():
+        assert [lv["concurrency"] for lv in data["levels"]] == [1, 2], name
+        assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in data["levels"]), name
+    assert results["ceiling"]["throughput"] > 0
+    table = (tmp_path / "out" / "latest.md").read_text()
+    assert "| triton-buckets |" in table and "x ceiling" in table
+    assert (tmp_path / "out" / "latest.png").stat().st_size > 10_000
+
+
+def test_fixed_length_variant_has_a_single_bucket(tmp_path):
+    repo = bench_run.variant_repository(tmp_path / "repo", fixed_length=128)
+    encoder = (repo / "encoder" / "config.pbtxt").read_text()
+    assert encoder.count("batch_size: 64 input") == 1 and "dim: [ 128 ]" in encoder
+    assert "response_cache { enable: false }" in (repo / "embed" / "config.pbtxt").read_text()
+
+
+@pytest.mark.parametrize("fixed", [None, 128])
+def test_variant_keeps_the_artifacts_linked(tmp_path, fixed):
+    repo = bench_run.variant_repository(tmp_path / "repo", fixed_length=fixed)
+    assert (repo / "encoder" / "1" / "model.pt").resolve().is_file()
+    assert (repo / "tokenizer" / "1" / "tokenizer.json").resolve().is_file()
