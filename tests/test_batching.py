@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -85,8 +86,11 @@ def test_encoder_step_keeps_order_under_16_threads(server, reference):
 
 def test_two_requests_of_different_lengths_share_one_encoder_execution(server):
     # Ragged batching: without allow_ragged_batch Triton never merges [1, 4] and [1, 40] shaped requests.
+    # The queue delay is 0, so requests merge when they queue behind a running execution: a slow "blocker"
+    # request keeps the encoder busy while the pair arrives together.
     merged = []
-    for attempt in range(10):
+    for attempt in range(5):
+        blocker = [f"blocker {attempt} {i} " + "many words in a long text " * 40 for i in range(16)]
         short = f"attempt {attempt} short"
         long = f"attempt {attempt} " + " ".join(["considerably longer sentence"] * 12)
         before = counts(server.grpc_url, "encoder")
@@ -98,16 +102,19 @@ def test_two_requests_of_different_lengths_share_one_encoder_execution(server):
                 barrier.wait()
                 return client.embed([text])
 
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
+            blocked = pool.submit(lambda b=blocker: EmbeddingClient(url=server.grpc_url).embed(b))
+            time.sleep(0.3)  # the blocker is executing now
             results = list(pool.map(send, [short, long]))
+            assert blocked.result().shape == (16, 384)
         after = counts(server.grpc_url, "encoder")
         assert all(r.shape == (1, 384) for r in results)
         inferences, executions = after[0] - before[0], after[1] - before[1]
-        assert inferences == 2
+        assert inferences == 16 + 2
         merged.append(executions)
-        if executions == 1:
+        if executions == 2:  # the blocker, then the pair together
             break
-    assert 1 in merged, f"encoder executions per pair of concurrent requests: {merged}; never merged"
+    assert 2 in merged, f"encoder executions per blocker + pair: {merged}; the pair never shared one"
 
 
 @pytest.mark.parametrize("sizes", [(2, 3, 1), (64, 1), (7, 7, 7, 7)])
