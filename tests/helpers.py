@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -40,3 +42,50 @@ def counts(grpc_url: str, model: str) -> tuple[int, int]:
     finally:
         client.close()
     return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+class ByteCountingProxy:
+    """A loopback TCP proxy that forwards to ``127.0.0.1:target_port`` and counts the bytes in each direction."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import threading
+
+        self.target_port = target_port
+        self.sent = 0  # client -> server
+        self.received = 0  # server -> client
+        self._lock = threading.Lock()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stop:
+            try:
+                downstream, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pipe, args=(downstream, upstream, "sent"), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, downstream, "received"), daemon=True).start()
+
+    def _pipe(self, src, dst, counter: str) -> None:
+        try:
+            while chunk := src.recv(65536):
+                with self._lock:
+                    setattr(self, counter, getattr(self, counter) + len(chunk))
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._server.close()

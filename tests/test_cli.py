@@ -53,3 +53,34 @@ def test_unreachable_server_is_a_clear_error():
     done = run_cli("similarity", "--url", "127.0.0.1:1", "a", "b")
     assert done.returncode == 1
     assert "ServerUnavailableError" in done.stderr and "127.0.0.1:1" in done.stderr
+
+
+def test_embed_reads_a_file(server, reference, tmp_path):
+    path = tmp_path / "texts.txt"
+    path.write_text("from a file\nsecond line\n", encoding="utf-8")
+    done = run_cli("embed", "--json", "--url", server.grpc_url, "--file", str(path))
+    assert done.returncode == 0, done.stderr
+    served = np.array([r["embedding"] for r in json.loads(done.stdout)])
+    np.testing.assert_allclose(served, reference_embed(reference, ["from a file", "second line"]), atol=1e-6)
+
+
+def test_health_reports_ready(server):
+    done = run_cli("health", "--json", "--url", server.grpc_url)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"live": True, "ready": True, "model_ready": True}
+    down = run_cli("health", "--url", "127.0.0.1:1")
+    assert down.returncode == 1 and "model_ready=False" in down.stdout
+
+
+def test_stats_table_has_every_step(server):
+    run_cli("embed", "--url", server.grpc_url, "stats warm-up text")
+    done = run_cli("stats", "--url", server.http_url, "--protocol", "http")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:2] == ["model", "requests"] and "queue" in lines[0] and "infer" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == {"embed", "tokenizer", "encoder"}
+    assert all(int(row[1]) > 0 for row in rows.values())  # every step has served requests
+    as_json = json.loads(run_cli("stats", "--json", "--url", server.grpc_url).stdout)
+    encoder = next(r for r in as_json if r["model"] == "encoder")
+    assert encoder["executions"] <= encoder["inferences"] and encoder["compute_infer_ms"] > 0

@@ -1,6 +1,11 @@
-"""triton_embed: client for the triton-embed text-embedding service on NVIDIA Triton Inference Server."""
+"""triton_embed: client for the triton-embed text-embedding service on NVIDIA Triton Inference Server.
 
-from triton_embed.client import EmbeddingClient
+``EmbeddingClient`` (threads) and ``AsyncEmbeddingClient`` (asyncio) over gRPC or HTTP; errors are subclasses of
+``EmbeddingError``. See the README's "Client API" section.
+"""
+
+from triton_embed.aio import AsyncEmbeddingClient
+from triton_embed.client import EmbeddingClient, Health
 from triton_embed.errors import (
     EmbeddingError,
     EmbeddingTimeoutError,
@@ -8,12 +13,18 @@ from triton_embed.errors import (
     ServerError,
     ServerUnavailableError,
 )
+from triton_embed.server_stats import StepStats
+from triton_embed.transport import ClientStats
 
 __all__ = [
+    "AsyncEmbeddingClient",
+    "ClientStats",
     "EmbeddingClient",
     "EmbeddingError",
     "EmbeddingTimeoutError",
+    "Health",
     "InvalidInputError",
     "ServerError",
     "ServerUnavailableError",
+    "StepStats",
 ]

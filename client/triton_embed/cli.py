@@ -1,8 +1,11 @@
 """``triton-embed``: embed texts and compare them from the command line.
 
     triton-embed embed "A man plays a guitar." "Someone plays music."   # one vector per line
+    triton-embed embed --file texts.txt --json                            # one text per line
     triton-embed similarity "A man plays a guitar." "Someone plays music."
     echo "text from stdin" | triton-embed embed --json
+    triton-embed health
+    triton-embed stats                                                    # per-step latency breakdown
 
 URL and protocol: ``--url``/``--protocol``, else ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL``, else gRPC on
 127.0.0.1:8001.
@@ -15,6 +18,7 @@ import json
 import os
 import sys
 
+from triton_embed import server_stats
 from triton_embed.client import EmbeddingClient
 from triton_embed.errors import EmbeddingError
 
@@ -31,15 +35,18 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", parents=[common], help="print one embedding per text")
-    embed.add_argument("texts", nargs="*", help="texts; none = one text per stdin line (blank lines included)")
+    embed.add_argument("texts", nargs="*", help="texts; none = one text per line of --file or stdin")
+    embed.add_argument("--file", type=argparse.FileType("r", encoding="utf-8"), help="one text per line")
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
+    sub.add_parser("health", parents=[common], help="server liveness/readiness and the model's readiness")
+    sub.add_parser("stats", parents=[common], help="per-step counters and queue/compute times since start")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns 0, 1 on a service error, 2 on bad arguments."""
+    """Run the CLI; returns 0, 1 on a service error (or ``health`` when the model is not ready), 2 on bad arguments."""
     args = _parser().parse_args(argv)
     try:
         with EmbeddingClient(url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout) as client:
@@ -49,7 +56,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             # one text per stdin line, blank lines included (they embed the empty string), so output line i
             # always belongs to input line i
-            texts = args.texts or [line.rstrip("\r\n") for line in sys.stdin]
+            if args.command == "health":
+                health = client.health()
+                print(
+                    json.dumps(health.__dict__)
+                    if args.json
+                    else " ".join(f"{k}={v}" for k, v in health.__dict__.items())
+                )
+                return 0 if health.model_ready else 1
+            if args.command == "stats":
+                rows = client.server_stats()
+                print(json.dumps([r.as_dict() for r in rows]) if args.json else server_stats.table(rows))
+                return 0
+            texts = args.texts or [line.rstrip("\r\n") for line in (args.file or sys.stdin)]
             vectors = client.embed(texts)
             if args.json:
                 rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(texts, vectors, strict=True)]

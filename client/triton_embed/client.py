@@ -1,58 +1,75 @@
-"""Synchronous embedding client over Triton's gRPC or HTTP (binary tensors) protocol."""
+"""Synchronous embedding client over Triton's gRPC or HTTP protocol."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
-from triton_embed.errors import EmbeddingError, InvalidInputError, from_triton
+from triton_embed import server_stats
+from triton_embed.coalesce import Coalescer
+from triton_embed.errors import EmbeddingError, from_triton
+from triton_embed.inputs import TextsLike, as_texts
+from triton_embed.shm import ShmPool
+from triton_embed.transport import (
+    ClientStats,
+    Counters,
+    RequestBuilder,
+    Settings,
+    backoff,
+    disable_shared_memory_warning,
+    max_batch_and_dim,
+    normalise_url,
+    retryable,
+)
 
-DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
-URL_ENV = "TRITON_EMBED_URL"
-PROTOCOL_ENV = "TRITON_EMBED_PROTOCOL"
-INPUT = "TEXT"
-OUTPUT = "EMBEDDING"
-
-
-def normalise_url(url: str) -> str:
-    """Return ``url`` as the ``host:port`` tritonclient wants.
-
-    Drops a scheme (``http://``, ``grpc://``) and a trailing ``/``; a bare ``:port`` means ``127.0.0.1:port``.
-
-    Raises:
-        ValueError: no port, e.g. ``"localhost"``.
-    """
-    host_port = url.strip().split("://", 1)[-1].rstrip("/")
-    if host_port.startswith(":"):
-        host_port = "127.0.0.1" + host_port
-    host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"url must be host:port (e.g. 127.0.0.1:8001); got {url!r}")
-    return host_port
+__all__ = ["EmbeddingClient", "Health", "normalise_url"]
 
 
-def _as_texts(texts: str | Iterable[str]) -> list[str]:
-    """Turn a str or an iterable of str into a list; anything else raises InvalidInputError."""
-    items = [texts] if isinstance(texts, str) else list(texts)
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str")
-    return items
+@dataclass(frozen=True)
+class Health:
+    """``live``: the server answers; ``ready``: all its models loaded; ``model_ready``: this client's model."""
+
+    live: bool
+    ready: bool
+    model_ready: bool
+
+
+def _protocol_module(protocol: str):
+    if protocol == "grpc":
+        import tritonclient.grpc as module
+    else:
+        import tritonclient.http as module
+    return module
+
+
+def _close_pool(pool: ShmPool, protocol: str, url: str) -> None:
+    """Interpreter-exit cleanup of a client that was never closed: unregister and destroy its regions."""
+    if pool.closed:
+        return
+    client = _protocol_module(protocol).InferenceServerClient(url)
+    try:
+        pool.close(client.unregister_system_shared_memory, timeout_s=5.0)
+    finally:
+        client.close()
 
 
 class EmbeddingClient:
-    """Embed texts with the ``embed`` ensemble.
+    """Embed texts with the triton-embed ``embed`` ensemble, from one thread or many.
 
     Example::
 
-        with EmbeddingClient(url="127.0.0.1:8001", protocol="grpc") as client:
+        with EmbeddingClient(url="127.0.0.1:8001") as client:
             vectors = client.embed(["A man plays a guitar.", "Someone plays music."])  # (2, 384) float32
 
-    ``url`` and ``protocol`` default to the environment variables ``TRITON_EMBED_URL`` and
-    ``TRITON_EMBED_PROTOCOL`` (read when the client is made), then to ``127.0.0.1:8001`` over gRPC
-    (``127.0.0.1:8000`` for HTTP). HTTP requests and responses use binary tensor data, not JSON.
+    Thread safety: one client may be shared by any number of threads. gRPC uses one channel; HTTP one
+    connection per thread (tritonclient's HTTP client is not thread-safe). After ``os.fork()`` the child's first
+    call opens its own connections (and shared memory regions); the parent's are left to the parent.
     """
 
     def __init__(
@@ -62,103 +79,270 @@ class EmbeddingClient:
         protocol: str | None = None,
         model: str = "embed",
         timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.1,
+        binary: bool = True,
+        use_shared_memory: bool = False,
+        coalesce: bool = False,
+        max_concurrency: int = 4,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        """Connect lazily; nothing is sent until the first call.
+        """Connect lazily: nothing is sent until the first call.
 
-        ``url`` may carry a scheme (``http://127.0.0.1:8000``) or be a bare ``:port`` (on 127.0.0.1).
+        Args:
+            url: ``host:port`` (a scheme like ``http://`` is dropped; ``:8000`` means 127.0.0.1). Default:
+                ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) / ``127.0.0.1:8000`` (HTTP).
+            protocol: ``grpc`` or ``http``. Default: ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
+            model: the ensemble's name.
+            timeout_s: limit for one request attempt, seconds (gRPC deadline; HTTP connect and network timeout).
+            retries: extra attempts after an unavailable/overloaded/connection error (never after bad input or a
+                timeout), waiting ``backoff_s * 2**k`` (capped at 2 s, plus up to 25% jitter) before attempt k+1.
+            backoff_s: first wait between attempts, seconds.
+            binary: HTTP only: binary tensor data (default) instead of JSON, ~4x fewer bytes per embedding.
+            use_shared_memory: send texts and receive embeddings through system shared memory (same host only);
+                falls back to the network with a ``RuntimeWarning`` when the server cannot register the regions.
+            coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
+            max_concurrency: chunks of one long list sent at the same time.
+            headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key).
 
         Raises:
-            ValueError: ``protocol`` is not ``grpc`` or ``http``, or ``url`` is not ``host:port``.
+            ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
         """
-        self.protocol = (protocol or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
-        if self.protocol not in DEFAULT_URLS:
-            raise ValueError(f"protocol must be 'grpc' or 'http'; got {self.protocol!r}")
-        self.url = normalise_url(url or os.environ.get(URL_ENV) or DEFAULT_URLS[self.protocol])
-        self.model = model
-        self.timeout_s = timeout_s
-        if self.protocol == "grpc":
-            import tritonclient.grpc as module
-        else:
-            import tritonclient.http as module
-        self._module = module
-        kwargs = {} if self.protocol == "grpc" else {"connection_timeout": timeout_s, "network_timeout": timeout_s}
-        self._client = module.InferenceServerClient(self.url, **kwargs)
+        self.settings = Settings.make(
+            url=url,
+            protocol=protocol,
+            model=model,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            binary=binary,
+            use_shared_memory=use_shared_memory,
+            coalesce=coalesce,
+            max_concurrency=max_concurrency,
+            headers=headers,
+        )
+        self._module = _protocol_module(self.settings.protocol)
+        self._builder = RequestBuilder(self.settings, self._module)
+        self._counters = Counters()
+        self._coalescer = Coalescer() if coalesce else None
+        self._lock = threading.Lock()
         self._config: dict | None = None
+        self._closed = False
+        self._reset_for_process()
 
-    def _model_config(self) -> dict:
-        """The model's config as a dict (fetched once): ``max_batch_size``, ``output[0].dims``, ..."""
-        if self._config is None:
-            try:
-                if self.protocol == "grpc":
-                    self._config = self._client.get_model_config(self.model, as_json=True)["config"]
-                else:
-                    self._config = self._client.get_model_config(self.model)
-            except Exception as exc:
-                raise from_triton(exc, model=self.model, url=self.url) from exc
-        return self._config
+    def _reset_for_process(self) -> None:
+        """Per-process state: connections, worker pool, shared memory (fresh in a forked child)."""
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._connections: list = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._shm: ShmPool | None = None
+        if self.settings.use_shared_memory:
+            self._shm = ShmPool()
+            self._finalizer = weakref.finalize(self, _close_pool, self._shm, self.settings.protocol, self.url)
+
+    # -- public properties ------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """``host:port`` this client talks to."""
+        return self.settings.url
+
+    @property
+    def protocol(self) -> str:
+        """``grpc`` or ``http``."""
+        return self.settings.protocol
+
+    @property
+    def model(self) -> str:
+        """The ensemble's name."""
+        return self.settings.model
 
     @property
     def max_batch_size(self) -> int:
         """Most texts one request may carry (the model's ``max_batch_size``, read once from the server)."""
-        return int(self._model_config().get("max_batch_size", 1)) or 1
+        return max_batch_and_dim(self._model_config())[0]
 
     @property
     def dim(self) -> int:
         """Embedding width (the model's ``EMBEDDING`` dims, read once from the server), e.g. 384."""
-        output = next(o for o in self._model_config()["output"] if o["name"] == OUTPUT)
-        return int(output["dims"][-1])
+        return max_batch_and_dim(self._model_config())[1]
 
-    def embed(self, texts: str | Iterable[str]) -> np.ndarray:
-        """Embed texts; row ``i`` belongs to ``texts[i]``.
+    # -- connections ------------------------------------------------------------------------------------------
+    def _conn(self):
+        if self._closed:
+            raise EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
+        if os.getpid() != self._pid:
+            if self.protocol == "http":
+                import gevent  # tritonclient.http runs on geventhttpclient: its event loop must be rebuilt
+
+                gevent.reinit()
+            self._reset_for_process()
+        client = getattr(self._local, "client", None)
+        if client is None:
+            if self.protocol == "grpc":
+                client = self._module.InferenceServerClient(self.url)
+            else:
+                t = self.settings.timeout_s
+                client = self._module.InferenceServerClient(self.url, connection_timeout=t, network_timeout=t)
+            self._local.client = client
+            with self._lock:
+                self._connections.append(client)
+        return client
+
+    def _call(self, method: str, *args, **kwargs):
+        """Call a tritonclient method; map its errors to ours."""
+        try:
+            return getattr(self._conn(), method)(*args, headers=self.settings.headers, **kwargs)
+        except EmbeddingError:
+            raise
+        except Exception as exc:
+            raise from_triton(exc, model=self.model, url=self.url) from exc
+
+    def _model_config(self) -> dict:
+        if self._config is None:
+            if self.protocol == "grpc":
+                config = self._retrying(self._call, "get_model_config", self.model, as_json=True)["config"]
+            else:
+                config = self._retrying(self._call, "get_model_config", self.model)
+            self._config = config
+        return self._config
+
+    # -- embedding --------------------------------------------------------------------------------------------
+    def embed(self, texts: TextsLike) -> np.ndarray:
+        """Embed texts; row ``i`` belongs to text ``i``.
 
         Args:
-            texts: a str (one row) or an iterable of str. Lists longer than :attr:`max_batch_size` are sent as
-                several requests and reassembled in order.
+            texts: a str, bytes, a list/tuple/generator of str or UTF-8 bytes, or a NumPy array of ``<U``, ``|S``
+                or object dtype, shape ``(n,)`` or ``(n, 1)``. Lists longer than :attr:`max_batch_size` are sent
+                as several requests, up to ``max_concurrency`` at once, and reassembled in order.
 
         Returns:
-            float32 array ``(len(texts), dim)`` (dim 384 for all-MiniLM-L6-v2), rows L2-normalised.
-            An empty input gives ``(0, dim)`` without an inference request.
+            float32 array ``(n, dim)`` (dim 384 for all-MiniLM-L6-v2), rows L2-normalised. An empty input gives
+            ``(0, dim)`` without an inference request.
 
         Raises:
-            InvalidInputError: a text is not str, or the server rejected the input.
-            ServerUnavailableError, EmbeddingTimeoutError, ServerError: see :mod:`triton_embed.errors`.
+            InvalidInputError: a text is not str/UTF-8 (raised before anything is sent), or the server rejected
+                the input (the message names the limit and the value).
+            ServerUnavailableError: unreachable, not ready or overloaded after the retries.
+            EmbeddingTimeoutError: an attempt took longer than ``timeout_s``.
+            ServerError: the server failed on a valid request.
         """
-        items = _as_texts(texts)
+        items = as_texts(texts)
         if not items:
             return np.zeros((0, self.dim), dtype=np.float32)
-        step = self.max_batch_size
-        parts = [self._infer(items[i : i + step]) for i in range(0, len(items), step)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if self._coalescer is not None:
+            return self._coalescer.run(items, self._embed_chunks)
+        return self._embed_chunks(items)
 
     def similarity(self, a: str, b: str) -> float:
         """Cosine similarity of two texts, in [-1, 1] (dot product of their unit-norm embeddings)."""
         vectors = self.embed([a, b])
         return float(np.dot(vectors[0], vectors[1]))
 
-    def _infer(self, texts: list[str]) -> np.ndarray:
-        data = np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
-        infer_input = self._module.InferInput(INPUT, list(data.shape), "BYTES")
-        if self.protocol == "http":
-            infer_input.set_data_from_numpy(data, binary_data=True)
-            outputs = [self._module.InferRequestedOutput(OUTPUT, binary_data=True)]
-            kwargs = {}  # the HTTP client's network_timeout bounds the call
-        else:
-            infer_input.set_data_from_numpy(data)
-            outputs = [self._module.InferRequestedOutput(OUTPUT)]
-            kwargs = {"client_timeout": self.timeout_s}
-        try:
-            result = self._client.infer(self.model, [infer_input], outputs=outputs, **kwargs)
-        except Exception as exc:
-            raise from_triton(exc, model=self.model, url=self.url) from exc
-        array = result.as_numpy(OUTPUT)
-        if array is None or array.shape[0] != len(texts):
-            got = None if array is None else list(array.shape)
-            raise EmbeddingError(f"model '{self.model}' returned {got} for {len(texts)} texts")
-        return array.astype(np.float32, copy=False)
+    def _embed_chunks(self, items: list[str]) -> np.ndarray:
+        step, dim = max_batch_and_dim(self._model_config())
+        chunks = [items[i : i + step] for i in range(0, len(items), step)]
+        if len(chunks) == 1:
+            return self._infer_with_retries(chunks[0], dim)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="triton-embed")
+            executor = self._executor
+        return np.concatenate(list(executor.map(lambda c: self._infer_with_retries(c, dim), chunks)))
 
+    def _infer_with_retries(self, texts: list[str], dim: int) -> np.ndarray:
+        return self._retrying(self._infer_once, texts, dim)
+
+    def _retrying(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
+        for attempt in range(self.settings.retries + 1):
+            try:
+                return fn(*args, **kwargs)
+            except EmbeddingError as exc:
+                if not retryable(exc) or attempt == self.settings.retries:
+                    self._counters.add(errors=1)
+                    raise
+                self._counters.add(retries=1)
+                time.sleep(backoff(attempt, self.settings.backoff_s))
+        raise AssertionError("unreachable")
+
+    def _infer_once(self, texts: list[str], dim: int) -> np.ndarray:
+        client = self._conn()
+        region = self._acquire_region(client, texts, dim)
+        try:
+            inputs, outputs, sent = self._builder.build(texts, dim, region)
+            kwargs = {"client_timeout": self.settings.timeout_s} if self.protocol == "grpc" else {}
+            result = self._call("infer", self.model, inputs, outputs=outputs, **kwargs)
+            array, received = self._builder.read(result, texts, dim, region)
+            array = array.copy() if region is not None else array
+        finally:
+            if region is not None:
+                self._shm.release(region)
+        self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
+        return array
+
+    def _acquire_region(self, client, texts: list[str], dim: int):
+        """A registered region for this request, or None (shared memory off or given up)."""
+        if self._shm is None:
+            return None
+        region = self._shm.acquire(RequestBuilder.region_bytes(texts, dim))
+        if not region.registered:
+            try:
+                client.register_system_shared_memory(
+                    region.name, region.key, region.byte_size, headers=self.settings.headers
+                )
+                region.registered = True
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the network instead
+                self._shm.discard(region)
+                disable_shared_memory_warning(self.url, exc)
+                self._shm.close(lambda name: None)
+                self._shm = None
+                return None
+        return region
+
+    # -- health and statistics --------------------------------------------------------------------------------
+    def health(self) -> Health:
+        """Server liveness/readiness and this model's readiness; an unreachable server gives all False."""
+        try:
+            return Health(
+                live=bool(self._call("is_server_live")),
+                ready=bool(self._call("is_server_ready")),
+                model_ready=bool(self._call("is_model_ready", self.model)),
+            )
+        except EmbeddingError:
+            return Health(False, False, False)
+
+    def stats(self) -> ClientStats:
+        """Client-side counters: requests, texts, retries, errors, HTTP bytes, shared memory regions."""
+        return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
+
+    def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
+        """Per-step counters and mean queue/compute times from Triton's statistics API (since server start)."""
+        rows = []
+        for name in models:
+            if self.protocol == "grpc":
+                raw = self._call("get_inference_statistics", name, as_json=True)
+            else:
+                raw = self._call("get_inference_statistics", name)
+            rows.append(server_stats.parse(raw["model_stats"][0]))
+        return rows
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the connection."""
-        self._client.close()
+        """Wait for in-flight requests, unregister shared memory, close connections. Idempotent."""
+        if self._closed:
+            return
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._shm is not None and os.getpid() == self._pid:
+            self._shm.close(
+                lambda name: self._conn().unregister_system_shared_memory(name, headers=self.settings.headers)
+            )
+            self._finalizer.detach()
+        self._closed = True
+        for client in self._connections:
+            client.close()
+        self._connections.clear()
 
     def __enter__(self) -> EmbeddingClient:
         return self

@@ -1,0 +1,248 @@
+"""asyncio embedding client on tritonclient's ``grpc.aio`` / ``http.aio``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import numpy as np
+
+from triton_embed import server_stats
+from triton_embed.client import Health
+from triton_embed.coalesce import AsyncCoalescer
+from triton_embed.errors import EmbeddingError, from_triton
+from triton_embed.inputs import TextsLike, as_texts
+from triton_embed.shm import ShmPool
+from triton_embed.transport import (
+    ClientStats,
+    Counters,
+    RequestBuilder,
+    Settings,
+    backoff,
+    disable_shared_memory_warning,
+    max_batch_and_dim,
+    retryable,
+)
+
+
+class AsyncEmbeddingClient:
+    """The asyncio twin of :class:`triton_embed.EmbeddingClient`; same arguments, awaitable methods.
+
+    Example::
+
+        async with AsyncEmbeddingClient(url="127.0.0.1:8001") as client:
+            vectors = await client.embed(["A man plays a guitar."])  # (1, 384) float32
+
+    One client may be shared by any number of tasks of ONE event loop (its connection belongs to the loop that
+    made the first call). Chunks of a long list are sent concurrently (``max_concurrency`` at a time).
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        protocol: str | None = None,
+        model: str = "embed",
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.1,
+        binary: bool = True,
+        use_shared_memory: bool = False,
+        coalesce: bool = False,
+        max_concurrency: int = 4,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """See :class:`triton_embed.EmbeddingClient` for every argument.
+
+        Raises:
+            ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
+        """
+        self.settings = Settings.make(
+            url=url,
+            protocol=protocol,
+            model=model,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            binary=binary,
+            use_shared_memory=use_shared_memory,
+            coalesce=coalesce,
+            max_concurrency=max_concurrency,
+            headers=headers,
+        )
+        if self.settings.protocol == "grpc":
+            import tritonclient.grpc.aio as module
+        else:
+            import tritonclient.http.aio as module
+        self._module = module
+        self._builder = RequestBuilder(self.settings, module)
+        self._counters = Counters()
+        self._coalescer = AsyncCoalescer() if coalesce else None
+        self._shm = ShmPool() if use_shared_memory else None
+        self._client = None
+        self._config: dict | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """``host:port`` this client talks to."""
+        return self.settings.url
+
+    @property
+    def model(self) -> str:
+        """The ensemble's name."""
+        return self.settings.model
+
+    def _conn(self):
+        if self._closed:
+            raise EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
+        if self._client is None:
+            if self.settings.protocol == "grpc":
+                self._client = self._module.InferenceServerClient(self.url)
+            else:
+                t = self.settings.timeout_s
+                self._client = self._module.InferenceServerClient(self.url, conn_timeout=t)
+            self._semaphore = asyncio.Semaphore(self.settings.max_concurrency)
+        return self._client
+
+    async def _call(self, method: str, *args, **kwargs):
+        try:
+            return await getattr(self._conn(), method)(*args, headers=self.settings.headers, **kwargs)
+        except EmbeddingError:
+            raise
+        except Exception as exc:
+            raise from_triton(exc, model=self.model, url=self.url) from exc
+
+    async def _model_config(self) -> dict:
+        if self._config is None:
+            if self.settings.protocol == "grpc":
+                config = (await self._retrying(self._call, "get_model_config", self.model, as_json=True))["config"]
+            else:
+                config = await self._retrying(self._call, "get_model_config", self.model)
+            self._config = config
+        return self._config
+
+    async def embed(self, texts: TextsLike) -> np.ndarray:
+        """Embed texts; row ``i`` belongs to text ``i``. Same inputs, result and errors as the sync client.
+
+        Returns:
+            float32 ``(n, dim)``, rows L2-normalised; ``(0, dim)`` for no texts, without an inference request.
+        """
+        items = as_texts(texts)
+        if not items:
+            return np.zeros((0, max_batch_and_dim(await self._model_config())[1]), dtype=np.float32)
+        if self._coalescer is not None:
+            return await self._coalescer.run(items, self._embed_chunks)
+        return await self._embed_chunks(items)
+
+    async def similarity(self, a: str, b: str) -> float:
+        """Cosine similarity of two texts, in [-1, 1]."""
+        vectors = await self.embed([a, b])
+        return float(np.dot(vectors[0], vectors[1]))
+
+    async def _embed_chunks(self, items: list[str]) -> np.ndarray:
+        step, dim = max_batch_and_dim(await self._model_config())
+        chunks = [items[i : i + step] for i in range(0, len(items), step)]
+        parts = await asyncio.gather(*(self._infer_with_retries(c, dim) for c in chunks))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    async def _infer_with_retries(self, texts: list[str], dim: int) -> np.ndarray:
+        return await self._retrying(self._limited_infer, texts, dim)
+
+    async def _limited_infer(self, texts: list[str], dim: int) -> np.ndarray:
+        self._conn()  # makes the semaphore on first use
+        async with self._semaphore:
+            return await self._infer_once(texts, dim)
+
+    async def _retrying(self, fn, *args, **kwargs):
+        """``await fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
+        for attempt in range(self.settings.retries + 1):
+            try:
+                return await fn(*args, **kwargs)
+            except EmbeddingError as exc:
+                if not retryable(exc) or attempt == self.settings.retries:
+                    self._counters.add(errors=1)
+                    raise
+                self._counters.add(retries=1)
+                await asyncio.sleep(backoff(attempt, self.settings.backoff_s))
+        raise AssertionError("unreachable")
+
+    async def _infer_once(self, texts: list[str], dim: int) -> np.ndarray:
+        region = await self._acquire_region(texts, dim)
+        try:
+            inputs, outputs, sent = self._builder.build(texts, dim, region)
+            kwargs = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
+            call = self._call("infer", self.model, inputs, outputs=outputs, **kwargs)
+            result = await asyncio.wait_for(call, timeout=self.settings.timeout_s + 1)
+            array, received = self._builder.read(result, texts, dim, region)
+            array = array.copy() if region is not None else array
+        except TimeoutError as exc:
+            raise from_triton(exc, model=self.model, url=self.url) from exc
+        finally:
+            if region is not None:
+                self._shm.release(region)
+        self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
+        return array
+
+    async def _acquire_region(self, texts: list[str], dim: int):
+        if self._shm is None:
+            return None
+        region = self._shm.acquire(RequestBuilder.region_bytes(texts, dim))
+        if not region.registered:
+            try:
+                await self._call("register_system_shared_memory", region.name, region.key, region.byte_size)
+                region.registered = True
+            except EmbeddingError as exc:
+                self._shm.discard(region)
+                disable_shared_memory_warning(self.url, exc)
+                self._shm.close(lambda name: None)
+                self._shm = None
+                return None
+        return region
+
+    async def health(self) -> Health:
+        """Server liveness/readiness and this model's readiness; an unreachable server gives all False."""
+        try:
+            return Health(
+                live=bool(await self._call("is_server_live")),
+                ready=bool(await self._call("is_server_ready")),
+                model_ready=bool(await self._call("is_model_ready", self.model)),
+            )
+        except EmbeddingError:
+            return Health(False, False, False)
+
+    def stats(self) -> ClientStats:
+        """Client-side counters (see :class:`triton_embed.ClientStats`)."""
+        return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
+
+    async def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
+        """Per-step counters and mean queue/compute times from Triton's statistics API."""
+        rows = []
+        for name in models:
+            if self.settings.protocol == "grpc":
+                raw = await self._call("get_inference_statistics", name, as_json=True)
+            else:
+                raw = await self._call("get_inference_statistics", name)
+            rows.append(server_stats.parse(raw["model_stats"][0]))
+        return rows
+
+    async def close(self) -> None:
+        """Unregister shared memory (after in-flight requests), close the connection. Idempotent."""
+        if self._closed:
+            return
+        if self._shm is not None:
+            names = []
+            await asyncio.to_thread(self._shm.close, names.append)
+            for name in names:
+                with contextlib.suppress(EmbeddingError):  # the server may be gone; local regions are freed anyway
+                    await self._call("unregister_system_shared_memory", name)
+        self._closed = True
+        if self._client is not None:
+            await self._client.close()
+
+    async def __aenter__(self) -> AsyncEmbeddingClient:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()

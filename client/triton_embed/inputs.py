@@ -1,0 +1,51 @@
+"""Turn what users pass as texts into a list of str, or fail before anything is sent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from triton_embed.errors import InvalidInputError
+
+TextsLike = str | bytes | np.ndarray | Iterable[str | bytes]
+"""A str, bytes, an iterable (list, tuple, generator) of str/bytes, or a NumPy array of ``<U``, ``|S`` or object."""
+
+
+def as_texts(texts: TextsLike) -> list[str]:
+    """Return the texts as a list of str, in order.
+
+    Accepts a single str or bytes (one text), a list/tuple/generator of str or UTF-8 bytes, or a NumPy array of
+    shape ``(n,)`` or ``(n, 1)`` with dtype ``<U..``, ``|S..`` or object (str/bytes items).
+
+    Raises:
+        InvalidInputError: an item is not text (names its index and type), bytes that are not UTF-8, or an array
+            of another shape or dtype.
+    """
+    if isinstance(texts, str | bytes):
+        items: list = [texts]
+    elif isinstance(texts, np.ndarray):
+        if texts.ndim == 2 and texts.shape[1] == 1:
+            texts = texts[:, 0]
+        if texts.ndim != 1:
+            raise InvalidInputError(f"a texts array must have shape (n,) or (n, 1); got {texts.shape}")
+        if texts.dtype.kind not in "USO":
+            raise InvalidInputError(f"a texts array must hold str or bytes (dtype <U, |S or object); got {texts.dtype}")
+        items = texts.tolist()
+    else:
+        try:
+            items = list(texts)
+        except TypeError:
+            raise InvalidInputError(f"texts must be a str or an iterable of str; got {type(texts).__name__}") from None
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, bytes):
+            try:
+                out.append(item.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise InvalidInputError(f"texts[{i}] is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+        else:
+            raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str")
+    return out

@@ -1,0 +1,90 @@
+"""Per-step latency breakdown from Triton's statistics API (``/v2/models/<m>/stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+STEPS = ("embed", "tokenizer", "encoder")
+_DURATIONS = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One model's counters since the server started (or the difference of two snapshots).
+
+    Attributes:
+        model: model name (``embed``, ``tokenizer``, ``encoder``).
+        requests: successful requests (``inference_stats.success.count``).
+        inferences: texts run (``inference_count``; a request of N texts counts N).
+        executions: model executions (``execution_count``); ``inferences / executions`` is the average batch.
+        queue_ms, compute_input_ms, compute_infer_ms, compute_output_ms: mean per request, milliseconds.
+        cache_hits: requests answered from the response cache.
+    """
+
+    model: str
+    requests: int
+    inferences: int
+    executions: int
+    queue_ms: float
+    compute_input_ms: float
+    compute_infer_ms: float
+    compute_output_ms: float
+    cache_hits: int
+
+    @property
+    def avg_batch(self) -> float:
+        """Texts per execution (0.0 before the first)."""
+        return self.inferences / self.executions if self.executions else 0.0
+
+    def as_dict(self) -> dict:
+        """Fields plus ``avg_batch``, for JSON."""
+        return {**asdict(self), "avg_batch": self.avg_batch}
+
+
+def _count_ns(stats: dict, key: str) -> tuple[int, int]:
+    entry = stats.get("inference_stats", {}).get(key, {})
+    return int(entry.get("count", 0)), int(entry.get("ns", 0))
+
+
+def parse(model_stats: dict, before: dict | None = None) -> StepStats:
+    """Build a :class:`StepStats` from one entry of ``model_stats`` (JSON form); with ``before``, the difference."""
+
+    def delta(key: str) -> tuple[int, int]:
+        count, ns = _count_ns(model_stats, key)
+        if before is not None:
+            c0, n0 = _count_ns(before, key)
+            count, ns = count - c0, ns - n0
+        return count, ns
+
+    def total(key: str) -> int:
+        return int(model_stats.get(key, 0)) - (int(before.get(key, 0)) if before else 0)
+
+    requests = delta("success")[0]
+    means = {}
+    for name in _DURATIONS:
+        count, ns = delta(name)
+        means[f"{name}_ms"] = ns / count / 1e6 if count else 0.0
+    return StepStats(
+        model=model_stats.get("name", "?"),
+        requests=requests,
+        inferences=total("inference_count"),
+        executions=total("execution_count"),
+        cache_hits=delta("cache_hit")[0],
+        **means,
+    )
+
+
+def table(rows: list[StepStats]) -> str:
+    """A fixed-width text table, one row per step."""
+    head = (
+        f"{'model':<10} {'requests':>9} {'texts':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
+        f"{'input ms':>9} {'infer ms':>9} {'output ms':>10} {'cache hits':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.model:<10} {r.requests:>9} {r.inferences:>9} {r.executions:>8} {r.avg_batch:>6.1f} "
+            f"{r.queue_ms:>9.2f} {r.compute_input_ms:>9.2f} {r.compute_infer_ms:>9.2f} {r.compute_output_ms:>10.2f} "
+            f"{r.cache_hits:>10}"
+        )
+    return "\n".join(lines)

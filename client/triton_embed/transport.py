@@ -1,0 +1,215 @@
+"""What the sync and asyncio clients share: settings, request building, decoding, retries, counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import serialize_byte_tensor
+
+from triton_embed.errors import EmbeddingError, ServerUnavailableError
+from triton_embed.shm import Region, ShmPool, output_offset
+
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+URL_ENV = "TRITON_EMBED_URL"
+PROTOCOL_ENV = "TRITON_EMBED_PROTOCOL"
+INPUT = "TEXT"
+OUTPUT = "EMBEDDING"
+MAX_BACKOFF_S = 2.0
+
+
+def normalise_url(url: str) -> str:
+    """Return ``url`` as the ``host:port`` tritonclient wants.
+
+    Drops a scheme (``http://``, ``grpc://``) and a trailing ``/``; a bare ``:port`` means ``127.0.0.1:port``.
+
+    Raises:
+        ValueError: no port, e.g. ``"localhost"``.
+    """
+    host_port = url.strip().split("://", 1)[-1].rstrip("/")
+    if host_port.startswith(":"):
+        host_port = "127.0.0.1" + host_port
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"url must be host:port (e.g. 127.0.0.1:8001); got {url!r}")
+    return host_port
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Client settings; see :class:`triton_embed.EmbeddingClient` for their meaning."""
+
+    url: str
+    protocol: str
+    model: str
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    binary: bool
+    use_shared_memory: bool
+    coalesce: bool
+    max_concurrency: int
+    headers: dict | None
+
+    @classmethod
+    def make(cls, *, url: str | None, protocol: str | None, **kwargs) -> Settings:
+        """Fill ``url``/``protocol`` from ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL`` or the defaults.
+
+        Raises:
+            ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency out of range.
+        """
+        protocol = (protocol or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
+        if protocol not in DEFAULT_URLS:
+            raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
+        url = normalise_url(url or os.environ.get(URL_ENV) or DEFAULT_URLS[protocol])
+        settings = cls(url=url, protocol=protocol, **kwargs)
+        if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1:
+            raise ValueError(
+                f"need timeout_s > 0, retries >= 0, max_concurrency >= 1; got {settings.timeout_s}, "
+                f"{settings.retries}, {settings.max_concurrency}"
+            )
+        return settings
+
+
+@dataclass
+class ClientStats:
+    """Client-side counters since the client was made.
+
+    Attributes:
+        requests: inference requests answered (a long list is several requests).
+        texts: texts embedded by the server (after coalescing).
+        retries: attempts repeated after an unavailable/connection error.
+        errors: requests that failed after their retries.
+        bytes_sent, bytes_received: HTTP body bytes of inference requests/responses (headers excluded; the
+            response size is rebuilt from the parsed response, so within a few bytes); 0 on gRPC.
+        shared_memory_regions: regions registered with the server now.
+    """
+
+    requests: int = 0
+    texts: int = 0
+    retries: int = 0
+    errors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    shared_memory_regions: int = 0
+
+
+class Counters:
+    """Thread-safe :class:`ClientStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = ClientStats()
+
+    def add(self, **deltas: int) -> None:
+        """Add to counters by name."""
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + value)
+
+    def snapshot(self, regions: int) -> ClientStats:
+        """A copy, with the current number of shared memory regions."""
+        with self._lock:
+            return ClientStats(**{**self._stats.__dict__, "shared_memory_regions": regions})
+
+
+def backoff(attempt: int, base_s: float) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): exponential, capped at 2 s, with 0-25% jitter."""
+    return min(MAX_BACKOFF_S, base_s * 2**attempt) * (1 + random.random() / 4)  # noqa: S311 - jitter only
+
+
+def retryable(error: EmbeddingError) -> bool:
+    """Only unavailable/overloaded/connection errors are retried; bad input and timeouts never are."""
+    return isinstance(error, ServerUnavailableError)
+
+
+def text_tensor(texts: list[str]) -> np.ndarray:
+    """``[N, 1]`` object array of UTF-8 bytes: the layout of the ensemble's ``TEXT`` input."""
+    return np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+
+
+class RequestBuilder:
+    """Builds ``infer`` arguments for one protocol, with or without shared memory, and reads the answer."""
+
+    def __init__(self, settings: Settings, module) -> None:
+        """``module`` is ``tritonclient.grpc`` or ``tritonclient.http`` (their aio variants share the classes)."""
+        self.settings = settings
+        self.module = module
+        self.http = settings.protocol == "http"
+
+    def build(self, texts: list[str], dim: int, region: Region | None = None):
+        """Return ``(inputs, outputs, sent_bytes)``; with ``region`` the tensors travel through shared memory."""
+        data = text_tensor(texts)
+        tensor = self.module.InferInput(INPUT, list(data.shape), "BYTES")
+        output = (
+            self.module.InferRequestedOutput(OUTPUT, binary_data=self.settings.binary)
+            if self.http
+            else self.module.InferRequestedOutput(OUTPUT)
+        )
+        if region is not None:
+            serialized = serialize_byte_tensor(data)
+            in_bytes = len(serialized.item())
+            shm.set_shared_memory_region(region.handle, [serialized])
+            tensor.set_shared_memory(region.name, in_bytes)
+            output.set_shared_memory(region.name, len(texts) * dim * 4, offset=output_offset(in_bytes))
+        elif self.http:
+            tensor.set_data_from_numpy(data, binary_data=self.settings.binary)
+        else:
+            tensor.set_data_from_numpy(data)
+        sent = 0
+        if self.http:
+            body, _ = self.module.InferenceServerClient.generate_request_body([tensor], outputs=[output])
+            sent = len(body)
+        return [tensor], [output], sent
+
+    @staticmethod
+    def region_bytes(texts: list[str], dim: int) -> int:
+        """Bytes a shared memory region needs for these texts and their embeddings."""
+        in_bytes = sum(4 + len(t.encode("utf-8")) for t in texts)
+        return output_offset(in_bytes) + len(texts) * dim * 4
+
+    def read(self, result, texts: list[str], dim: int, region: Region | None = None) -> tuple[np.ndarray, int]:
+        """Return ``((len(texts), dim) float32, received_bytes)`` from an ``InferResult``.
+
+        Raises:
+            EmbeddingError: the server answered with another row count.
+        """
+        n = len(texts)
+        if region is not None:
+            offset = output_offset(sum(4 + len(t.encode("utf-8")) for t in texts))
+            array = np.array(shm.get_contents_as_numpy(region.handle, np.float32, [n, dim], offset=offset))
+        else:
+            array = result.as_numpy(OUTPUT)
+        if array is None or array.shape != (n, dim):
+            got = None if array is None else list(array.shape)
+            raise EmbeddingError(f"model '{self.settings.model}' returned {got} for {n} texts; expected [{n}, {dim}]")
+        received = 0
+        if self.http:
+            header = len(json.dumps(result.get_response(), separators=(",", ":")))
+            received = header + (array.nbytes if self.settings.binary and region is None else 0)
+        return array.astype(np.float32, copy=False), received
+
+
+def disable_shared_memory_warning(url: str, error: Exception) -> None:
+    """Warn once per failure that shared memory is off for this client."""
+    warnings.warn(
+        f"shared memory registration with {url} failed ({error}); falling back to sending tensors over the "
+        "network (client and server must share /dev/shm, e.g. the same host or container IPC namespace)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def max_batch_and_dim(config: dict) -> tuple[int, int]:
+    """``(max_batch_size, embedding width)`` from a model config in JSON form."""
+    output = next(o for o in config["output"] if o["name"] == OUTPUT)
+    return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
+
+
+__all__ = ["ClientStats", "Settings", "ShmPool"]

@@ -1,0 +1,104 @@
+"""Shared memory lifecycle, and behaviour when the server goes away and comes back."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+from triton_embed import EmbeddingClient, ServerUnavailableError
+from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError
+from triton_embed.transport import retryable
+from triton_embed_server.embedded import EmbeddedServer
+
+
+def server_regions(grpc_url: str) -> list[str]:
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        status = client.get_system_shared_memory_status(as_json=True)
+    finally:
+        client.close()
+    return [r["name"] for r in status.get("regions", {}).values()]
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_shared_memory_regions_are_gone_after_close(server, protocol):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = EmbeddingClient(url=url, protocol=protocol, use_shared_memory=True)
+    client.embed([f"region test {i}" for i in range(70)])  # two chunks, two regions in flight
+    mine = client._shm.regions
+    assert mine and set(mine) <= set(server_regions(server.grpc_url))
+    client.close()
+    assert not set(mine) & set(server_regions(server.grpc_url))
+    assert not [n for n in os.listdir("/dev/shm") if any(n == m for m in mine)]
+
+
+def test_open_close_cycles_do_not_grow_memory(server):
+    def cycle():
+        with EmbeddingClient(url=server.grpc_url, use_shared_memory=True) as client:
+            client.embed(["memory cycle text"] * 8)
+
+    for _ in range(5):  # warm up allocators and imports
+        cycle()
+    before, shm_before = rss_kib(), set(os.listdir("/dev/shm"))
+    for _ in range(30):
+        cycle()
+    grown = rss_kib() - before
+    assert grown < 8 * 1024, f"RSS grew by {grown} KiB over 30 open/close cycles"
+    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert not [n for n in server_regions(server.grpc_url) if n.startswith(f"triton_embed_{os.getpid()}_")]
+
+
+def test_retry_policy():
+    assert retryable(ServerUnavailableError("x"))
+    assert not retryable(InvalidInputError("x"))
+    assert not retryable(EmbeddingTimeoutError("x"))
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    srv = EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "tritonserver.log")
+    srv.start().wait_ready()
+    yield srv
+    srv.stop()
+
+
+def test_stopped_server_fails_fast_then_retries_reach_it_again(own_server):
+    url = own_server.grpc_url
+    with EmbeddingClient(url=url, retries=0, timeout_s=5) as client:
+        assert client.embed(["while it runs"]).shape == (1, 384)
+        own_server.stop()
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailableError, match=url):
+            client.embed(["after it stopped"])
+        assert time.monotonic() - started < 5
+
+    # The server restarts from this thread (PR_SET_PDEATHSIG ties it to the thread that started it); the client
+    # call waits in a worker thread, retrying until the server is back.
+    outcome = {}
+
+    def call():
+        with EmbeddingClient(url=url, retries=40, backoff_s=0.5, timeout_s=5) as client:
+            started = time.monotonic()
+            outcome["vectors"] = client.embed(["reached after the restart"])
+            outcome["waited"] = time.monotonic() - started
+            outcome["retries"] = client.stats().retries
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)  # the client is retrying against the stopped server now
+    own_server.start().wait_ready()
+    caller.join(timeout=120)
+    assert outcome["vectors"].shape == (1, 384)
+    assert outcome["retries"] >= 1
+    assert outcome["waited"] < 120
