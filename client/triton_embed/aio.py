@@ -8,16 +8,14 @@ import contextlib
 import numpy as np
 
 from triton_embed import server_stats
+from triton_embed.base import ClientBase
 from triton_embed.client import Health
 from triton_embed.coalesce import AsyncCoalescer
 from triton_embed.errors import EmbeddingError, from_triton
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
-    ClientStats,
-    Counters,
     RequestBuilder,
-    Settings,
     backoff,
     disable_shared_memory_warning,
     max_batch_and_dim,
@@ -25,7 +23,7 @@ from triton_embed.transport import (
 )
 
 
-class AsyncEmbeddingClient:
+class AsyncEmbeddingClient(ClientBase):
     """The asyncio twin of :class:`triton_embed.EmbeddingClient`; same arguments, awaitable methods.
 
     Example::
@@ -37,66 +35,22 @@ class AsyncEmbeddingClient:
     made the first call). Chunks of a long list are sent concurrently (``max_concurrency`` at a time).
     """
 
-    def __init__(
-        self,
-        *,
-        url: str | None = None,
-        protocol: str | None = None,
-        model: str = "embed",
-        timeout_s: float = 30.0,
-        retries: int = 2,
-        backoff_s: float = 0.1,
-        binary: bool = True,
-        use_shared_memory: bool = False,
-        coalesce: bool = False,
-        max_concurrency: int = 4,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        """See :class:`triton_embed.EmbeddingClient` for every argument.
-
-        Raises:
-            ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
-        """
-        self.settings = Settings.make(
-            url=url,
-            protocol=protocol,
-            model=model,
-            timeout_s=timeout_s,
-            retries=retries,
-            backoff_s=backoff_s,
-            binary=binary,
-            use_shared_memory=use_shared_memory,
-            coalesce=coalesce,
-            max_concurrency=max_concurrency,
-            headers=headers,
-        )
-        if self.settings.protocol == "grpc":
+    def _protocol_module(self, protocol: str):
+        if protocol == "grpc":
             import tritonclient.grpc.aio as module
         else:
             import tritonclient.http.aio as module
-        self._module = module
-        self._builder = RequestBuilder(self.settings, module)
-        self._counters = Counters()
-        self._coalescer = AsyncCoalescer() if coalesce else None
-        self._shm = ShmPool() if use_shared_memory else None
+        return module
+
+    def _setup(self) -> None:
+        self._coalescer = AsyncCoalescer() if self.settings.coalesce else None
+        self._shm = ShmPool() if self.settings.use_shared_memory else None
         self._client = None
-        self._config: dict | None = None
         self._semaphore: asyncio.Semaphore | None = None
-        self._closed = False
-
-    @property
-    def url(self) -> str:
-        """``host:port`` this client talks to."""
-        return self.settings.url
-
-    @property
-    def model(self) -> str:
-        """The ensemble's name."""
-        return self.settings.model
 
     def _conn(self):
         if self._closed:
-            raise EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
+            raise self._closed_error()
         if self._client is None:
             if self.settings.protocol == "grpc":
                 self._client = self._module.InferenceServerClient(self.url)
@@ -211,10 +165,6 @@ class AsyncEmbeddingClient:
             )
         except EmbeddingError:
             return Health(False, False, False)
-
-    def stats(self) -> ClientStats:
-        """Client-side counters (see :class:`triton_embed.ClientStats`)."""
-        return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
 
     async def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API."""

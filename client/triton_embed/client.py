@@ -12,15 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from triton_embed import server_stats
+from triton_embed.base import ClientBase
 from triton_embed.coalesce import Coalescer
 from triton_embed.errors import EmbeddingError, from_triton
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
-    ClientStats,
-    Counters,
     RequestBuilder,
-    Settings,
     backoff,
     disable_shared_memory_warning,
     max_batch_and_dim,
@@ -59,7 +57,7 @@ def _close_pool(pool: ShmPool, protocol: str, url: str) -> None:
         client.close()
 
 
-class EmbeddingClient:
+class EmbeddingClient(ClientBase):
     """Embed texts with the triton-embed ``embed`` ensemble, from one thread or many.
 
     Example::
@@ -72,62 +70,12 @@ class EmbeddingClient:
     call opens its own connections (and shared memory regions); the parent's are left to the parent.
     """
 
-    def __init__(
-        self,
-        *,
-        url: str | None = None,
-        protocol: str | None = None,
-        model: str = "embed",
-        timeout_s: float = 30.0,
-        retries: int = 2,
-        backoff_s: float = 0.1,
-        binary: bool = True,
-        use_shared_memory: bool = False,
-        coalesce: bool = False,
-        max_concurrency: int = 4,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        """Connect lazily: nothing is sent until the first call.
+    def _protocol_module(self, protocol: str):
+        return _protocol_module(protocol)
 
-        Args:
-            url: ``host:port`` (a scheme like ``http://`` is dropped; ``:8000`` means 127.0.0.1). Default:
-                ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) / ``127.0.0.1:8000`` (HTTP).
-            protocol: ``grpc`` or ``http``. Default: ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
-            model: the ensemble's name.
-            timeout_s: limit for one request attempt, seconds (gRPC deadline; HTTP connect and network timeout).
-            retries: extra attempts after an unavailable/overloaded/connection error (never after bad input or a
-                timeout), waiting ``backoff_s * 2**k`` (capped at 2 s, plus up to 25% jitter) before attempt k+1.
-            backoff_s: first wait between attempts, seconds.
-            binary: HTTP only: binary tensor data (default) instead of JSON, ~4x fewer bytes per embedding.
-            use_shared_memory: send texts and receive embeddings through system shared memory (same host only);
-                falls back to the network with a ``RuntimeWarning`` when the server cannot register the regions.
-            coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
-            max_concurrency: chunks of one long list sent at the same time.
-            headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key).
-
-        Raises:
-            ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
-        """
-        self.settings = Settings.make(
-            url=url,
-            protocol=protocol,
-            model=model,
-            timeout_s=timeout_s,
-            retries=retries,
-            backoff_s=backoff_s,
-            binary=binary,
-            use_shared_memory=use_shared_memory,
-            coalesce=coalesce,
-            max_concurrency=max_concurrency,
-            headers=headers,
-        )
-        self._module = _protocol_module(self.settings.protocol)
-        self._builder = RequestBuilder(self.settings, self._module)
-        self._counters = Counters()
-        self._coalescer = Coalescer() if coalesce else None
+    def _setup(self) -> None:
+        self._coalescer = Coalescer() if self.settings.coalesce else None
         self._lock = threading.Lock()
-        self._config: dict | None = None
-        self._closed = False
         self._reset_for_process()
 
     def _reset_for_process(self) -> None:
@@ -141,22 +89,7 @@ class EmbeddingClient:
             self._shm = ShmPool()
             self._finalizer = weakref.finalize(self, _close_pool, self._shm, self.settings.protocol, self.url)
 
-    # -- public properties ------------------------------------------------------------------------------------
-    @property
-    def url(self) -> str:
-        """``host:port`` this client talks to."""
-        return self.settings.url
-
-    @property
-    def protocol(self) -> str:
-        """``grpc`` or ``http``."""
-        return self.settings.protocol
-
-    @property
-    def model(self) -> str:
-        """The ensemble's name."""
-        return self.settings.model
-
+    # -- public properties --------------------------------------------------------------------------------------------
     @property
     def max_batch_size(self) -> int:
         """Most texts one request may carry (the model's ``max_batch_size``, read once from the server)."""
@@ -170,7 +103,7 @@ class EmbeddingClient:
     # -- connections ------------------------------------------------------------------------------------------
     def _conn(self):
         if self._closed:
-            raise EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
+            raise self._closed_error()
         if os.getpid() != self._pid:
             if self.protocol == "http":
                 import gevent  # tritonclient.http runs on geventhttpclient: its event loop must be rebuilt
@@ -311,10 +244,6 @@ class EmbeddingClient:
             )
         except EmbeddingError:
             return Health(False, False, False)
-
-    def stats(self) -> ClientStats:
-        """Client-side counters: requests, texts, retries, errors, HTTP bytes, shared memory regions."""
-        return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
 
     def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API (since server start)."""

@@ -1,0 +1,98 @@
+"""What the sync and asyncio clients have in common: constructor, settings, properties, counters."""
+
+from __future__ import annotations
+
+from triton_embed.errors import EmbeddingError
+from triton_embed.shm import ShmPool
+from triton_embed.transport import ClientStats, Counters, RequestBuilder, Settings
+
+
+class ClientBase:
+    """Settings and state shared by the sync and the asyncio client; not used directly."""
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        protocol: str | None = None,
+        model: str = "embed",
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.1,
+        binary: bool = True,
+        use_shared_memory: bool = False,
+        coalesce: bool = False,
+        max_concurrency: int = 4,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Connect lazily: nothing is sent until the first call.
+
+        Args:
+            url: ``host:port`` (a scheme like ``http://`` is dropped; ``:8000`` means 127.0.0.1). Default:
+                ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) / ``127.0.0.1:8000`` (HTTP).
+            protocol: ``grpc`` or ``http``. Default: ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
+            model: the ensemble's name.
+            timeout_s: limit for one request attempt, seconds (gRPC deadline; HTTP connect and network timeout).
+            retries: extra attempts after an unavailable/overloaded/connection error (never after bad input or a
+                timeout), waiting ``backoff_s * 2**k`` (capped at 2 s, plus up to 25% jitter) before attempt k+1.
+            backoff_s: first wait between attempts, seconds.
+            binary: HTTP only: binary tensor data (default) instead of JSON, ~4x fewer bytes per embedding.
+            use_shared_memory: send texts and receive embeddings through system shared memory (same host only);
+                falls back to the network with a ``RuntimeWarning`` when the server cannot register the regions.
+            coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
+            max_concurrency: chunks of one long list sent at the same time.
+            headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key).
+
+        Raises:
+            ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
+        """
+        self.settings = Settings.make(
+            url=url,
+            protocol=protocol,
+            model=model,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            binary=binary,
+            use_shared_memory=use_shared_memory,
+            coalesce=coalesce,
+            max_concurrency=max_concurrency,
+            headers=headers,
+        )
+        self._module = self._protocol_module(self.settings.protocol)
+        self._builder = RequestBuilder(self.settings, self._module)
+        self._counters = Counters()
+        self._config: dict | None = None
+        self._closed = False
+        self._shm: ShmPool | None = None
+        self._setup()
+
+    def _protocol_module(self, protocol: str):
+        """The tritonclient module for ``protocol`` (sync or aio); set by the subclass."""
+        raise NotImplementedError
+
+    def _setup(self) -> None:
+        """Subclass state (connections, coalescer, shared memory pool)."""
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """``host:port`` this client talks to."""
+        return self.settings.url
+
+    @property
+    def protocol(self) -> str:
+        """``grpc`` or ``http``."""
+        return self.settings.protocol
+
+    @property
+    def model(self) -> str:
+        """The ensemble's name."""
+        return self.settings.model
+
+    def stats(self) -> ClientStats:
+        """Client-side counters: requests, texts, retries, errors, HTTP body bytes, shared memory regions."""
+        return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
+
+    def _closed_error(self) -> EmbeddingError:
+        return EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
