@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,6 +10,9 @@ import pytest
 from conftest import reference_embed
 from helpers import counts, infer, text_tensor
 from triton_embed import EmbeddingClient
+from triton_embed_server.embedded import EmbeddedServer
+
+from bench.run import variant_repository
 
 WORDS = [
     "the",
@@ -84,37 +86,38 @@ def test_encoder_step_keeps_order_under_16_threads(server, reference):
     np.testing.assert_allclose(served, reference_embed(reference, [t for j in jobs for t in j]), atol=1e-5)
 
 
-def test_two_requests_of_different_lengths_share_one_encoder_execution(server):
+@pytest.fixture(scope="module")
+def windowed_server(tmp_path_factory):
+    """The shipped repository with a 200 ms batching window on the encoder (shipped: 0) and a queue timeout
+    longer than it, so concurrent requests deterministically meet in the queue."""
+    tmp = tmp_path_factory.mktemp("windowed")
+    repo = variant_repository(tmp / "repo", fixed_length=None)
+    encoder = repo / "encoder" / "config.pbtxt"
+    text = encoder.read_text().replace("max_queue_delay_microseconds: 0", "max_queue_delay_microseconds: 200000")
+    encoder.write_text(text.replace("default_timeout_microseconds: 2000000", "default_timeout_microseconds: 10000000"))
+    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
+        yield srv
+
+
+def test_two_requests_of_different_lengths_share_one_encoder_execution(windowed_server):
     # Ragged batching: without allow_ragged_batch Triton never merges [1, 4] and [1, 40] shaped requests.
-    # The queue delay is 0, so requests merge when they queue behind a running execution: a slow "blocker"
-    # request keeps the encoder busy while the pair arrives together.
-    merged = []
-    for attempt in range(5):
-        blocker = [f"blocker {attempt} {i} " + "many words in a long text " * 40 for i in range(16)]
-        short = f"attempt {attempt} short"
-        long = f"attempt {attempt} " + " ".join(["considerably longer sentence"] * 12)
-        before = counts(server.grpc_url, "encoder")
-        barrier = threading.Barrier(2)
+    url = windowed_server.grpc_url
+    short = "short"
+    long = " ".join(["considerably longer sentence"] * 12)
+    before = counts(url, "encoder")
+    barrier = threading.Barrier(2)
 
-        def send(text, barrier=barrier):
-            with EmbeddingClient(url=server.grpc_url) as client:
-                client.max_batch_size  # noqa: B018 - fetch the config before the barrier
-                barrier.wait()
-                return client.embed([text])
+    def send(text):
+        with EmbeddingClient(url=url, retries=0) as client:
+            client.max_batch_size  # noqa: B018 - fetch the config before the barrier
+            barrier.wait()
+            return client.embed([text])
 
-        with ThreadPoolExecutor(3) as pool:
-            blocked = pool.submit(lambda b=blocker: EmbeddingClient(url=server.grpc_url).embed(b))
-            time.sleep(0.3)  # the blocker is executing now
-            results = list(pool.map(send, [short, long]))
-            assert blocked.result().shape == (16, 384)
-        after = counts(server.grpc_url, "encoder")
-        assert all(r.shape == (1, 384) for r in results)
-        inferences, executions = after[0] - before[0], after[1] - before[1]
-        assert inferences == 16 + 2
-        merged.append(executions)
-        if executions == 2:  # the blocker, then the pair together
-            break
-    assert 2 in merged, f"encoder executions per blocker + pair: {merged}; the pair never shared one"
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(send, [short, long]))
+    after = counts(url, "encoder")
+    assert all(r.shape == (1, 384) for r in results)
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)  # 2 texts, 1 execution
 
 
 @pytest.mark.parametrize("sizes", [(2, 3, 1), (64, 1), (7, 7, 7, 7)])

@@ -22,6 +22,13 @@ VARIANTS = {
 }
 
 
+def with_admin_headers(server, options: dict) -> dict:
+    """Shared memory registration is an admin API: it needs the server's admin header."""
+    if options.get("use_shared_memory"):
+        return {**options, "headers": server.admin_headers(options["protocol"])}
+    return options
+
+
 def url_for(server, protocol: str) -> str:
     return server.grpc_url if protocol == "grpc" else server.http_url
 
@@ -41,7 +48,7 @@ def assert_rows_match(served: np.ndarray, expected: np.ndarray) -> None:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_sync_paths_give_reference_embeddings(server, sts_500, variant):
     texts, expected = sts_500
-    options = VARIANTS[variant]
+    options = with_admin_headers(server, VARIANTS[variant])
     with EmbeddingClient(url=url_for(server, options["protocol"]), **options) as client:
         served = client.embed(texts)
         assert client.stats().texts == 500
@@ -53,7 +60,7 @@ def test_sync_paths_give_reference_embeddings(server, sts_500, variant):
 @pytest.mark.parametrize("variant", ["grpc", "http_binary", "grpc_shm"])
 def test_async_paths_give_reference_embeddings(server, sts_500, variant):
     texts, expected = sts_500
-    options = VARIANTS[variant]
+    options = with_admin_headers(server, VARIANTS[variant])
 
     async def main():
         async with AsyncEmbeddingClient(url=url_for(server, options["protocol"]), **options) as client:
@@ -194,3 +201,15 @@ def test_client_works_in_a_forked_child(server, reference, protocol):
         assert child.exitcode == 0
         assert client.embed(["the parent still works"]).shape == (1, 384)
     np.testing.assert_allclose(got, reference_embed(reference, ["embedded in a forked child"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_shared_memory_without_the_admin_header_falls_back_to_the_network(server, reference, protocol):
+    texts = [f"fallback text {i}" for i in range(70)]  # two chunks: both threads meet the refusal
+    client = EmbeddingClient(url=url_for(server, protocol), protocol=protocol, use_shared_memory=True)
+    with pytest.warns(RuntimeWarning, match="shared memory registration .* failed"), client:
+        served = client.embed(texts)
+        assert client.stats().shared_memory_regions == 0
+        served_again = client.embed(texts[:3])
+    np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
+    np.testing.assert_allclose(served_again, served[:3], atol=1e-6)

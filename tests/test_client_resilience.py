@@ -15,10 +15,10 @@ from triton_embed.transport import retryable
 from triton_embed_server.embedded import EmbeddedServer
 
 
-def server_regions(grpc_url: str) -> list[str]:
+def server_regions(grpc_url: str, headers: dict) -> list[str]:
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
-        status = client.get_system_shared_memory_status(as_json=True)
+        status = client.get_system_shared_memory_status(as_json=True, headers=headers)
     finally:
         client.close()
     return [r["name"] for r in status.get("regions", {}).values()]
@@ -34,18 +34,20 @@ def rss_kib() -> int:
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_shared_memory_regions_are_gone_after_close(server, protocol):
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    client = EmbeddingClient(url=url, protocol=protocol, use_shared_memory=True)
+    client = EmbeddingClient(url=url, protocol=protocol, use_shared_memory=True, headers=server.admin_headers(protocol))
     client.embed([f"region test {i}" for i in range(70)])  # two chunks, two regions in flight
     mine = client._shm.regions
-    assert mine and set(mine) <= set(server_regions(server.grpc_url))
+    assert mine and set(mine) <= set(server_regions(server.grpc_url, server.admin_headers("grpc")))
     client.close()
-    assert not set(mine) & set(server_regions(server.grpc_url))
+    assert not set(mine) & set(server_regions(server.grpc_url, server.admin_headers("grpc")))
     assert not [n for n in os.listdir("/dev/shm") if any(n == m for m in mine)]
 
 
 def test_open_close_cycles_do_not_grow_memory(server):
     def cycle():
-        with EmbeddingClient(url=server.grpc_url, use_shared_memory=True) as client:
+        with EmbeddingClient(
+            url=server.grpc_url, use_shared_memory=True, headers=server.admin_headers("grpc")
+        ) as client:
             client.embed(["memory cycle text"] * 8)
 
     for _ in range(5):  # warm up allocators and imports
@@ -56,7 +58,11 @@ def test_open_close_cycles_do_not_grow_memory(server):
     grown = rss_kib() - before
     assert grown < 8 * 1024, f"RSS grew by {grown} KiB over 30 open/close cycles"
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"triton_embed_{os.getpid()}_")]
-    assert not [n for n in server_regions(server.grpc_url) if n.startswith(f"triton_embed_{os.getpid()}_")]
+    assert not [
+        n
+        for n in server_regions(server.grpc_url, server.admin_headers("grpc"))
+        if n.startswith(f"triton_embed_{os.getpid()}_")
+    ]
 
 
 def test_retry_policy():

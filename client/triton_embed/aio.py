@@ -123,7 +123,7 @@ class AsyncEmbeddingClient(ClientBase):
         raise AssertionError("unreachable")
 
     async def _infer_once(self, texts: list[str], dim: int) -> np.ndarray:
-        region = await self._acquire_region(texts, dim)
+        pool, region = await self._acquire_region(texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
             kwargs = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
@@ -135,25 +135,31 @@ class AsyncEmbeddingClient(ClientBase):
             raise from_triton(exc, model=self.model, url=self.url) from exc
         finally:
             if region is not None:
-                self._shm.release(region)
+                pool.release(region)
         self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
         return array
 
     async def _acquire_region(self, texts: list[str], dim: int):
-        if self._shm is None:
-            return None
-        region = self._shm.acquire(RequestBuilder.region_bytes(texts, dim))
+        """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
+        pool = self._shm
+        if pool is None:
+            return None, None
+        try:
+            region = pool.acquire(RequestBuilder.region_bytes(texts, dim))
+        except RuntimeError:  # another task gave shared memory up a moment ago
+            return None, None
         if not region.registered:
             try:
                 await self._call("register_system_shared_memory", region.name, region.key, region.byte_size)
                 region.registered = True
             except EmbeddingError as exc:
-                self._shm.discard(region)
-                disable_shared_memory_warning(self.url, exc)
-                self._shm.close(lambda name: None)
-                self._shm = None
-                return None
-        return region
+                pool.discard(region)
+                if self._shm is pool:
+                    self._shm = None
+                    disable_shared_memory_warning(self.url, exc)
+                await asyncio.to_thread(pool.close, lambda name: None, 5.0)
+                return None, None
+        return pool, region
 
     async def health(self) -> Health:
         """Server liveness/readiness and this model's readiness; an unreachable server gives all False."""

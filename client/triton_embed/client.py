@@ -201,7 +201,7 @@ class EmbeddingClient(ClientBase):
 
     def _infer_once(self, texts: list[str], dim: int) -> np.ndarray:
         client = self._conn()
-        region = self._acquire_region(client, texts, dim)
+        pool, region = self._acquire_region(client, texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
             kwargs = {"client_timeout": self.settings.timeout_s} if self.protocol == "grpc" else {}
@@ -210,15 +210,19 @@ class EmbeddingClient(ClientBase):
             array = array.copy() if region is not None else array
         finally:
             if region is not None:
-                self._shm.release(region)
+                pool.release(region)
         self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
         return array
 
     def _acquire_region(self, client, texts: list[str], dim: int):
-        """A registered region for this request, or None (shared memory off or given up)."""
-        if self._shm is None:
-            return None
-        region = self._shm.acquire(RequestBuilder.region_bytes(texts, dim))
+        """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
+        pool = self._shm
+        if pool is None:
+            return None, None
+        try:
+            region = pool.acquire(RequestBuilder.region_bytes(texts, dim))
+        except RuntimeError:  # another thread gave shared memory up a moment ago
+            return None, None
         if not region.registered:
             try:
                 client.register_system_shared_memory(
@@ -226,12 +230,14 @@ class EmbeddingClient(ClientBase):
                 )
                 region.registered = True
             except Exception as exc:  # noqa: BLE001 - any failure means: use the network instead
-                self._shm.discard(region)
-                disable_shared_memory_warning(self.url, exc)
-                self._shm.close(lambda name: None)
-                self._shm = None
-                return None
-        return region
+                pool.discard(region)
+                with self._lock:
+                    if self._shm is pool:
+                        self._shm = None
+                        disable_shared_memory_warning(self.url, exc)
+                pool.close(lambda name: None, timeout_s=5.0)
+                return None, None
+        return pool, region
 
     # -- health and statistics --------------------------------------------------------------------------------
     def health(self) -> Health:

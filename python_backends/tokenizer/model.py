@@ -7,7 +7,12 @@ the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds 
 Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call, and split back per request.
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
 that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. A bad request (missing
-input, wrong shape, non-UTF-8 bytes, no texts) gets its own INVALID_ARG error; the others still succeed.
+input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a text over
+max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
+
+Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default, cuts long
+texts at max_seq_length as sentence-transformers does; ``error`` rejects them). A request parameter ``truncate``
+(true/false) overrides ``TRUNCATION`` for that request.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ class RequestError(ValueError):
     """A problem with one request; becomes that request's INVALID_ARG response."""
 
 
-def decode_texts(tensor) -> list[str]:
+def decode_texts(tensor, max_bytes: int) -> list[str]:
     """Decode a TEXT tensor (``[n, 1]`` of UTF-8 bytes) into ``n`` strings.
 
     Raises:
-        RequestError: the tensor is missing, not ``[n, 1]``, has no rows, or a row is not valid UTF-8.
+        RequestError: the tensor is missing, not ``[n, 1]``, has no rows, or a row is longer than ``max_bytes``,
+            is not valid UTF-8, or holds a NUL byte.
     """
     if tensor is None:
         raise RequestError(f"missing input tensor '{INPUT}'")
@@ -54,14 +60,16 @@ def decode_texts(tensor) -> list[str]:
         raise RequestError(f"input '{INPUT}' has 0 texts; at least 1 is required")
     texts = []
     for row, item in enumerate(array[:, 0]):
-        if isinstance(item, str):
-            texts.append(item)
-            continue
+        raw = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        if len(raw) > max_bytes:
+            raise RequestError(f"input '{INPUT}' row {row} has {len(raw)} bytes; the limit is {max_bytes} bytes")
+        if b"\0" in raw:
+            raise RequestError(f"input '{INPUT}' row {row} holds a NUL byte at offset {raw.index(0)}; text may not")
         try:
-            texts.append(bytes(item).decode("utf-8"))
+            texts.append(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise RequestError(
-                f"input '{INPUT}' row {row} is not valid UTF-8: byte 0x{item[exc.start]:02x} at offset {exc.start} "
+                f"input '{INPUT}' row {row} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
                 f"({exc.reason})"
             ) from None
     return texts
@@ -98,6 +106,21 @@ class TritonPythonModel:
         padding = self.tokenizer.padding
         self.pad_id = padding["pad_id"] if padding else 0
         self.tokenizer.no_padding()  # we pad per request, not to the longest text of the whole execution
+        params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
+        self.max_text_bytes = int(params.get("MAX_TEXT_BYTES", "65536"))
+        self.truncate = params.get("TRUNCATION", "truncate")
+        if self.truncate not in ("truncate", "error"):
+            raise pb_utils.TritonModelException(
+                f"parameter TRUNCATION must be 'truncate' or 'error'; got {self.truncate!r}"
+            )
+
+    def _truncates(self, request) -> bool:
+        """Truncate this request's long texts? Request parameter ``truncate`` (bool) wins over ``TRUNCATION``."""
+        try:
+            value = json.loads(request.parameters() or "{}").get("truncate")
+        except (ValueError, AttributeError):
+            value = None
+        return self.truncate == "truncate" if value is None else bool(value)
 
     def execute(self, requests: list) -> list:
         """Tokenise all requests' texts in one call; one response per request, in order."""
@@ -105,7 +128,9 @@ class TritonPythonModel:
         errors: dict[int, str] = {}
         for i, request in enumerate(requests):
             try:
-                texts_per_request.append(decode_texts(pb_utils.get_input_tensor_by_name(request, INPUT)))
+                texts_per_request.append(
+                    decode_texts(pb_utils.get_input_tensor_by_name(request, INPUT), self.max_text_bytes)
+                )
             except RequestError as exc:
                 errors[i] = str(exc)
                 texts_per_request.append(None)
@@ -114,17 +139,23 @@ class TritonPythonModel:
         encodings = self.tokenizer.encode_batch(flat, add_special_tokens=True) if flat else []
         if len(encodings) != len(flat):
             raise pb_utils.TritonModelException(f"tokenizer returned {len(encodings)} encodings for {len(flat)} texts")
+        rows = iter(encodings)
+        per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
 
         responses = []
-        start = 0
-        for i, texts in enumerate(texts_per_request):
-            if texts is None:
+        for i, encs in enumerate(per_request):
+            if encs is not None and not self._truncates(requests[i]):
+                long = next((row for row, e in enumerate(encs) if e.overflowing), None)
+                if long is not None:
+                    errors[i] = (
+                        f"input '{INPUT}' row {long} has more than {self.max_tokens} tokens (the model's "
+                        "max_seq_length) and truncation is off for this request"
+                    )
+            if i in errors:
                 error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
-            rows = [e.ids for e in encodings[start : start + len(texts)]]
-            start += len(texts)
-            ids, mask = pad_rows(rows, self.pad_id)
+            ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
             responses.append(
                 pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask)]

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
-from triton_embed_server.embedded import DEFAULT_MODEL_REPOSITORY, EmbeddedServer, ServerConfig, ServerError
+from triton_embed_server.embedded import (
+    ADMIN_KEY_ENV,
+    DEFAULT_MODEL_REPOSITORY,
+    EmbeddedServer,
+    ServerConfig,
+    ServerError,
+)
 from triton_embed_server.layout import LayoutError
 
 
@@ -25,11 +34,22 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-config-name", default=None, help="e.g. libtorch (needs the official Triton image)")
     serve.add_argument("--log-verbose", type=int, default=0)
     serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for READY")
+    serve.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restarts of tritonserver after an unexpected exit within 10 minutes before giving up (default 3)",
+    )
     return parser
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Start, wait for READY, print the endpoints, block until a signal, stop. Returns the exit status."""
+    """Start, wait for READY, print the endpoints, block until a signal, stop. Returns the exit status.
+
+    An unexpected exit of tritonserver is logged with its exit status and restarted, at most ``--max-restarts``
+    times within 10 minutes. The admin key comes from ``TRITON_EMBED_ADMIN_KEY`` (else a random one).
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = EmbeddedServer(
         host=args.host,
         http_port=args.http_port,
@@ -38,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
         model_repository=args.model_repository.resolve(),
         model_config_name=args.model_config_name,
         log_verbose=args.log_verbose,
+        admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -50,18 +71,41 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
         return 1
+    key_note = (
+        f" = ${ADMIN_KEY_ENV}" if os.environ.get(ADMIN_KEY_ENV) else f" (locked: set {ADMIN_KEY_ENV} to use them)"
+    )
     print(
         f"\ntriton-embed is ready: model 'embed'\n"
         f"  HTTP    http://{server.http_url}   (curl http://{server.http_url}/v2/models/embed)\n"
         f"  gRPC    {server.grpc_url}\n"
         f"  metrics {server.metrics_url}\n"
+        f"Admin APIs (model repository, shared memory, logging, trace) need header '{server.config.admin_header}'"
+        f"{key_note}.\n"
         f"Ctrl-C stops it.",
         flush=True,
     )
+    restarts: list[float] = []
     while not stop.wait(0.5):
         if not server.is_alive():
-            print("error: tritonserver exited unexpectedly", file=sys.stderr)
-            return server.stop() or 1
+            code = server.stop()
+            restarts = [t for t in restarts if time.monotonic() - t < 600]
+            if len(restarts) >= args.max_restarts:
+                print(
+                    f"error: tritonserver exited with status {code}; {len(restarts)} restarts in 10 min, giving up",
+                    file=sys.stderr,
+                )
+                return 1
+            restarts.append(time.monotonic())
+            print(
+                f"warning: tritonserver exited unexpectedly with status {code}; restarting", file=sys.stderr, flush=True
+            )
+            try:
+                server.start().wait_ready(args.ready_timeout)
+            except (ServerError, LayoutError) as exc:
+                print(f"error: restart failed: {exc}", file=sys.stderr)
+                server.stop()
+                return 1
+            print(f"tritonserver restarted (pid {server.pid})", flush=True)
     print("stopping tritonserver ...", flush=True)
     code = server.stop()
     return 0 if code in (0, None, -signal.SIGINT) else code

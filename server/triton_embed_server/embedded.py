@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,9 +21,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
+from triton_embed_server.supervisor import StubWatchdog
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 READY_MODEL = "embed"
+ADMIN_HEADER = "triton-embed-admin-key"
+ADMIN_KEY_ENV = "TRITON_EMBED_ADMIN_KEY"
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+"""Triton API groups that need the admin header; the rest (inference, health, metadata, statistics) stay open."""
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -43,6 +49,11 @@ class ServerConfig:
         log_verbose: ``--log-verbose`` level.
         log_file: where tritonserver's stdout/stderr go; None inherits ours.
         exit_timeout_s: ``--exit-timeout-secs``, how long shutdown waits for in-flight requests, seconds.
+        admin_key: value of the admin header that unlocks the restricted APIs (model repository, shared memory,
+            logging, trace) on HTTP and gRPC; None = a random key made at start (the admin APIs then serve only
+            this process, e.g. its stub watchdog). Inference, health, metadata, config and statistics stay open.
+        admin_header: name of that header.
+        watch_stubs: run :class:`~triton_embed_server.supervisor.StubWatchdog` while the server is up.
         extra_args: appended verbatim to the command line.
     """
 
@@ -56,6 +67,9 @@ class ServerConfig:
     log_verbose: int = 0
     log_file: Path | None = None
     exit_timeout_s: int = 30
+    admin_key: str | None = None
+    admin_header: str = ADMIN_HEADER
+    watch_stubs: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -84,6 +98,7 @@ class EmbeddedServer:
         self.config = replace(config or ServerConfig(), **overrides)
         self._process: subprocess.Popen | None = None
         self._log_handle = None
+        self.watchdog: StubWatchdog | None = None
 
     # -- addresses --------------------------------------------------------------------------------------------
     @property
@@ -116,7 +131,12 @@ class EmbeddedServer:
             f"--backend-directory={assemble_backends(layout, DEFAULT_BUILD_DIR)}",
             f"--cache-directory={layout.cache_dir}",
             f"--cache-config=local,size={c.cache_size_bytes}",
-            "--model-control-mode=none",
+            # explicit (not none): the stub watchdog reloads a model whose stub died; the repository API that
+            # allows it is behind the admin header like every other admin API.
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            f"--http-restricted-api={RESTRICTED_APIS}:{c.admin_header}={c.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{c.admin_header}={c.admin_key}",
             "--strict-readiness=true",
             "--exit-on-error=true",
             f"--exit-timeout-secs={c.exit_timeout_s}",
@@ -142,7 +162,7 @@ class EmbeddedServer:
         if self._process is not None:
             raise ServerError("server already started")
         ports = {k: getattr(self.config, k) or free_port() for k in ("http_port", "grpc_port", "metrics_port")}
-        self.config = replace(self.config, **ports)
+        self.config = replace(self.config, **ports, admin_key=self.config.admin_key or secrets.token_urlsafe(24))
         model_pt = self.config.model_repository / "encoder" / "1" / "model.pt"
         if not model_pt.is_file():
             raise ServerError(f"{model_pt} not found: run `make model` first")
@@ -164,6 +184,14 @@ class EmbeddedServer:
     def is_alive(self) -> bool:
         """True while the tritonserver process runs."""
         return self._process is not None and self._process.poll() is None
+
+    def admin_headers(self, protocol: str = "http") -> dict[str, str]:
+        """The header that unlocks the restricted APIs (after :meth:`start`), e.g. for a shared-memory client.
+
+        gRPC carries it as metadata ``triton-grpc-protocol-<header>`` (Triton's naming for restricted protocols).
+        """
+        prefix = "triton-grpc-protocol-" if protocol == "grpc" else ""
+        return {prefix + self.config.admin_header: self.config.admin_key or ""}
 
     @property
     def pid(self) -> int | None:
@@ -191,12 +219,22 @@ class EmbeddedServer:
                 code = self._process.returncode if self._process else None
                 raise ServerError(f"tritonserver exited with code {code} before it was ready{self._log_tail()}")
             if self.is_ready():
+                if self.config.watch_stubs and self.watchdog is None:
+                    self.watchdog = StubWatchdog(
+                        server_pid=self.pid,
+                        http_url=self.http_url,
+                        admin_header=self.config.admin_header,
+                        admin_key=self.config.admin_key,
+                    ).start()
                 return self
             time.sleep(0.25)
         raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def stop(self) -> int | None:
         """Stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         process, self._process = self._process, None
         code = None
         if process is not None:

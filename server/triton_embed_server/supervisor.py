@@ -1,0 +1,105 @@
+"""Stub watchdog: reload a model whose Python backend stub process died.
+
+Triton 2.51's Python backend does not restart a stub that was killed (out of memory, SIGKILL): the model stays
+READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
+machines). The watchdog polls the server's child processes once a second; when a stub disappears, it reloads
+that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's current
+config as override, which forces a fresh load while the old instance keeps answering), using the admin header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("triton_embed_server")
+STUB_NAME = "triton_python_backend_stub"
+
+
+def stub_processes(server_pid: int) -> dict[int, str]:
+    """``{pid: model name}`` of the Python backend stubs that are children of ``server_pid`` (from /proc)."""
+    stubs = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if ppid != server_pid or state in ("Z", "X") or len(argv) < 2 or not argv[0].endswith(STUB_NAME.encode()):
+            continue
+        model_file = Path(argv[1].decode(errors="replace"))  # <repository>/<model>/<version>/model.py
+        stubs[int(proc.name)] = model_file.parts[-3] if len(model_file.parts) >= 3 else "?"
+    return stubs
+
+
+class StubWatchdog:
+    """A daemon thread reloading models whose stub died; stops with :meth:`stop`.
+
+    Attributes:
+        reloads: ``[(model, seconds the reload took)]`` so far.
+    """
+
+    def __init__(self, *, server_pid: int, http_url: str, admin_header: str, admin_key: str, interval_s: float = 1.0):
+        """Watch the stubs of ``server_pid``; reload through ``http://<http_url>`` with the admin header."""
+        self.server_pid = server_pid
+        self.http_url = http_url
+        self.admin_header = admin_header
+        self.admin_key = admin_key
+        self.interval_s = interval_s
+        self.reloads: list[tuple[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="triton-embed-stub-watchdog", daemon=True)
+
+    def start(self) -> StubWatchdog:
+        """Start watching."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (waits for a reload in progress)."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=120)
+
+    def _run(self) -> None:
+        known = stub_processes(self.server_pid)
+        while not self._stop.wait(self.interval_s):
+            current = stub_processes(self.server_pid)
+            dead_models = sorted({model for pid, model in known.items() if pid not in current})
+            for model in dead_models:
+                if self._stop.is_set():
+                    return
+                self._reload(model)
+            known = stub_processes(self.server_pid) if dead_models else current
+
+    def _reload(self, model: str) -> None:
+        start = time.monotonic()
+        log.warning("stub process of model '%s' died; reloading the model", model)
+        try:
+            base = f"http://{self.http_url}/v2"
+            with urllib.request.urlopen(f"{base}/models/{model}/config", timeout=10) as response:  # noqa: S310
+                config = response.read().decode()
+            body = json.dumps({"parameters": {"config": config}}).encode()
+            request = urllib.request.Request(  # noqa: S310 - our own loopback server
+                f"{base}/repository/models/{model}/load",
+                data=body,
+                method="POST",
+                headers={self.admin_header: self.admin_key, "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=300) as response:  # noqa: S310
+                response.read()
+        except (urllib.error.URLError, OSError) as exc:
+            log.error("reloading model '%s' failed: %s", model, exc)
+            return
+        took = time.monotonic() - start
+        self.reloads.append((model, took))
+        log.warning("model '%s' reloaded in %.1f s", model, took)
