@@ -100,24 +100,31 @@ def windowed_server(tmp_path_factory):
 
 
 def test_two_requests_of_different_lengths_share_one_encoder_execution(windowed_server):
-    # Ragged batching: without allow_ragged_batch Triton never merges [1, 4] and [1, 40] shaped requests.
+    # Ragged batching: without allow_ragged_batch Triton never merges [1, 4] and [1, 40] shaped requests (seen:
+    # executions 2, 2, 2). With it they meet in the 200 ms window; on this shared machine one try in a few
+    # missed it, so up to 3 tries.
     url = windowed_server.grpc_url
-    short = "short"
-    long = " ".join(["considerably longer sentence"] * 12)
-    before = counts(url, "encoder")
-    barrier = threading.Barrier(2)
+    seen = []
+    for attempt in range(3):
+        short = f"short {attempt}"
+        long = f"{attempt} " + " ".join(["considerably longer sentence"] * 12)
+        before = counts(url, "encoder")
+        barrier = threading.Barrier(2)
 
-    def send(text):
-        with EmbeddingClient(url=url, retries=0) as client:
-            client.max_batch_size  # noqa: B018 - fetch the config before the barrier
-            barrier.wait()
-            return client.embed([text])
+        def send(text, barrier=barrier):
+            with EmbeddingClient(url=url, retries=0) as client:
+                client.max_batch_size  # noqa: B018 - fetch the config before the barrier
+                barrier.wait()
+                return client.embed([text])
 
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(send, [short, long]))
-    after = counts(url, "encoder")
-    assert all(r.shape == (1, 384) for r in results)
-    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)  # 2 texts, 1 execution
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(send, [short, long]))
+        after = counts(url, "encoder")
+        assert all(r.shape == (1, 384) for r in results)
+        seen.append((after[0] - before[0], after[1] - before[1]))
+        if seen[-1] == (2, 1):
+            break
+    assert (2, 1) in seen, f"(texts, executions) per pair: {seen}"
 
 
 @pytest.mark.parametrize("sizes", [(2, 3, 1), (64, 1), (7, 7, 7, 7)])

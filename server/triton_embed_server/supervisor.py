@@ -4,7 +4,8 @@ Triton 2.51's Python backend does not restart a stub that was killed (out of mem
 READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
 machines). The watchdog polls the server's child processes once a second; when a stub disappears, it reloads
 that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's current
-config as override, which forces a fresh load while the old instance keeps answering), using the admin header.
+config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old instance
+keeps answering), using the admin header.
 """
 
 from __future__ import annotations
@@ -73,13 +74,20 @@ class StubWatchdog:
     def _run(self) -> None:
         known = stub_processes(self.server_pid)
         while not self._stop.wait(self.interval_s):
-            current = stub_processes(self.server_pid)
-            dead_models = sorted({model for pid, model in known.items() if pid not in current})
-            for model in dead_models:
-                if self._stop.is_set():
-                    return
-                self._reload(model)
-            known = stub_processes(self.server_pid) if dead_models else current
+            try:
+                known = self._tick(known)
+            except Exception:  # the watchdog must outlive any one bad tick
+                log.exception("stub watchdog tick failed")
+
+    def _tick(self, known: dict[int, str]) -> dict[int, str]:
+        """Reload models whose stubs are gone since ``known``; return the stubs to compare with next time."""
+        current = stub_processes(self.server_pid)
+        dead_models = sorted({model for pid, model in known.items() if pid not in current})
+        for model in dead_models:
+            if self._stop.is_set():
+                break
+            self._reload(model)
+        return stub_processes(self.server_pid) if dead_models else current
 
     def _reload(self, model: str) -> None:
         start = time.monotonic()
@@ -87,8 +95,10 @@ class StubWatchdog:
         try:
             base = f"http://{self.http_url}/v2"
             with urllib.request.urlopen(f"{base}/models/{model}/config", timeout=10) as response:  # noqa: S310
-                config = response.read().decode()
-            body = json.dumps({"parameters": {"config": config}}).encode()
+                config = json.loads(response.read())
+            # Triton skips a load whose config equals the loaded one; a fresh parameter makes every reload real.
+            config.setdefault("parameters", {})["TRITON_EMBED_RELOAD"] = {"string_value": str(time.time_ns())}
+            body = json.dumps({"parameters": {"config": json.dumps(config)}}).encode()
             request = urllib.request.Request(  # noqa: S310 - our own loopback server
                 f"{base}/repository/models/{model}/load",
                 data=body,

@@ -1,0 +1,163 @@
+"""Overload, crashed backend stubs and shutdown, each against a server of its own on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+from conftest import reference_embed
+from triton_embed import EmbeddingClient
+from triton_embed.transport import backoff
+from triton_embed_server.embedded import EmbeddedServer, free_port
+from triton_embed_server.supervisor import stub_processes
+from tritonclient.utils import InferenceServerException
+
+SLA_MS = 200.0
+ACCEPTED_P99_BOUND_MS = 1500.0
+"""Bound on the accepted requests' p99 in a 4x overload burst. The SLA (200 ms) is NOT met there on 2 CPU cores
+shared with the load generator (measured 0.6-1 s); README "What does not work yet" says so."""
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("faults") / "tritonserver.log"
+    with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
+        yield srv
+
+
+async def burst(url: str, texts: list[str], clients: int, seconds: float, timeout_s: float) -> list[tuple]:
+    """``clients`` concurrent single-sentence loops for ``seconds``; returns (outcome, latency ms) per request.
+
+    A client whose request was shed backs off exponentially (``triton_embed.transport.backoff``: 0.1 s doubling,
+    capped at 2 s), as the library's retries do.
+    """
+    client = grpcaio.InferenceServerClient(url)
+    results: list[tuple] = []
+    stop_at = time.monotonic() + seconds
+
+    async def loop(i: int) -> None:
+        n, shed_in_a_row = i, 0
+        while time.monotonic() < stop_at:
+            tensor = grpcaio.InferInput("TEXT", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[texts[n % len(texts)].encode()]], dtype=np.object_))
+            n += clients
+            start = time.perf_counter()
+            try:
+                await asyncio.wait_for(client.infer("embed", [tensor], client_timeout=timeout_s), timeout_s + 5)
+                results.append(("ok", (time.perf_counter() - start) * 1000))
+                shed_in_a_row = 0
+            except InferenceServerException as exc:
+                results.append((str(exc.status()), (time.perf_counter() - start) * 1000))
+                await asyncio.sleep(backoff(shed_in_a_row, 0.1))  # a shed client backs off as triton_embed does
+                shed_in_a_row += 1
+            except TimeoutError:
+                results.append(("hung", (time.perf_counter() - start) * 1000))
+
+    try:
+        await asyncio.gather(*(loop(i) for i in range(clients)))
+    finally:
+        await client.close()
+    return results
+
+
+def test_burst_above_capacity_is_shed_not_queued(fault_server, sts_dev):
+    texts = [f"{p.a} {i}" for i, p in enumerate(sts_dev)]  # unique: no response-cache hits
+    results = asyncio.run(burst(fault_server.grpc_url, texts, clients=192, seconds=10.0, timeout_s=10.0))
+    outcomes = {}
+    for outcome, _ in results:
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    ok = np.array([ms for outcome, ms in results if outcome == "ok"])
+    shed = np.array([ms for outcome, ms in results if outcome == "StatusCode.UNAVAILABLE"])
+    assert set(outcomes) <= {"ok", "StatusCode.UNAVAILABLE"}, outcomes  # nothing hung, nothing else failed
+    assert len(ok) > 500 and len(shed) > 0, outcomes  # it served at capacity and shed the rest
+    p99 = float(np.percentile(ok, 99))
+    assert p99 < ACCEPTED_P99_BOUND_MS, f"p99 of accepted requests {p99:.0f} ms; outcomes {outcomes}"
+    assert float(np.percentile(shed, 50)) < SLA_MS  # rejections come back at once, not after queueing
+    with EmbeddingClient(url=fault_server.grpc_url) as client:
+        assert client.embed(["served normally after the burst"]).shape == (1, 384)
+
+
+@pytest.mark.parametrize("model", ["tokenizer", "encoder"])
+def test_killed_stub_is_replaced_without_a_server_restart(fault_server, reference, model):
+    server_pid = fault_server.pid
+    stubs = [pid for pid, name in stub_processes(server_pid).items() if name == model]
+    assert stubs, stub_processes(server_pid)
+    os.kill(stubs[0], signal.SIGKILL)
+
+    failures = []
+    started = time.monotonic()
+    with EmbeddingClient(url=fault_server.grpc_url, retries=0, timeout_s=10) as client:
+        while time.monotonic() - started < 30:
+            try:
+                served = client.embed([f"after the {model} stub died"])
+                break
+            except Exception as exc:  # noqa: BLE001 - collected and checked below
+                failures.append(exc)
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"no answer within 30 s; last error {failures[-1]!r}")
+    assert time.monotonic() - started < 30
+    assert all("not healthy" in str(e) or "not ready" in str(e) or "UNAVAILABLE" in repr(e) for e in failures)
+    np.testing.assert_allclose(served, reference_embed(reference, [f"after the {model} stub died"]), atol=1e-5)
+    assert fault_server.pid == server_pid and fault_server.is_alive()
+    assert any(name == model for name, _ in fault_server.watchdog.reloads)
+
+
+def test_retrying_client_does_not_see_a_stub_crash(fault_server, reference):
+    stubs = [pid for pid, name in stub_processes(fault_server.pid).items() if name == "encoder"]
+    texts = [f"retried request {i}" for i in range(5)]
+    os.kill(stubs[0], signal.SIGKILL)  # requests now fail until the watchdog has reloaded the encoder
+    with EmbeddingClient(url=fault_server.grpc_url, retries=20, backoff_s=0.25) as client:
+        served = np.concatenate([client.embed([t]) for t in texts])
+        assert client.stats().retries >= 1 and client.stats().errors == 0
+    np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev):
+    ports = [str(free_port()) for _ in range(3)]
+    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
+           "--metrics-port", ports[2]]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and "Ctrl-C stops it" not in (proc.stdout.readline() or "Ctrl-C stops it"):
+            pass
+        url = f"127.0.0.1:{ports[1]}"
+        texts = [f"{p.a} drained {i}" for i, p in enumerate(sts_dev[:400])]
+        sent_before_signal = []
+        answers = {}
+
+        def worker(i: int) -> None:
+            with EmbeddingClient(url=url, retries=0, timeout_s=30) as client:
+                for n in range(i, len(texts), 16):
+                    sent_before_signal.append(n) if proc.returncode is None and not stopping.is_set() else None
+                    if stopping.is_set():
+                        return
+                    try:
+                        answers[n] = client.embed([texts[n]])
+                    except Exception as exc:  # noqa: BLE001 - checked below
+                        answers[n] = exc
+
+        stopping = threading.Event()
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        stopping.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        lost = [n for n in sent_before_signal if not isinstance(answers.get(n), np.ndarray)]
+        assert sent_before_signal and not lost, f"{len(lost)} of {len(sent_before_signal)} lost: {answers[lost[0]]!r}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

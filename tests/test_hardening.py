@@ -1,0 +1,132 @@
+"""Bad input gets clear errors on HTTP and gRPC, and the server keeps serving; admin APIs are locked."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import reference_embed
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from triton_embed import EmbeddingClient
+from tritonclient.utils import InferenceServerException
+
+MODULES = {"grpc": grpcclient, "http": httpclient}
+
+
+def send(server, protocol: str, array: np.ndarray, *, dtype: str = "BYTES", name: str = "TEXT", params=None):
+    """One raw request to the ensemble; returns the EMBEDDING array or raises InferenceServerException."""
+    module = MODULES[protocol]
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = module.InferenceServerClient(url)
+    try:
+        tensor = module.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array, **({"binary_data": True} if protocol == "http" else {}))
+        return client.infer("embed", [tensor], parameters=params).as_numpy("EMBEDDING")
+    finally:
+        client.close()
+
+
+def texts(*items: bytes) -> np.ndarray:
+    return np.array([[t] for t in items], dtype=np.object_)
+
+
+# (name, request kwargs for send(), substrings the error must contain: the field, the limit, the value)
+BAD_INPUTS = [
+    ("too_many_texts", {"array": texts(*[b"a"] * 65)}, ["batch-size must be <= 64"]),
+    ("text_too_long", {"array": texts(b"x" * 70_000)}, ["'TEXT' row 0 has 70000 bytes", "limit is 65536 bytes"]),
+    ("nul_byte", {"array": texts(b"ok", b"abc\x00def")}, ["'TEXT' row 1 holds a NUL byte at offset 3"]),
+    ("not_utf8", {"array": texts(b"\xc3\x28")}, ["'TEXT' row 0 is not valid UTF-8", "0xc3"]),
+    ("zero_texts", {"array": np.zeros((0, 1), dtype=np.object_)}, ["'TEXT'", "got 0"]),
+    ("wrong_dtype", {"array": np.zeros((1, 1), dtype=np.int64), "dtype": "INT64"}, ["'TEXT'", "INT64", "BYTES"]),
+    ("wrong_shape", {"array": np.array([b"flat"], dtype=np.object_)}, ["TEXT"]),
+    ("wrong_name", {"array": texts(b"a"), "name": "TXT"}, ["unexpected inference input 'TXT'"]),
+    (
+        "over_max_seq_length_without_truncation",
+        {"array": texts(b"word " * 400), "params": {"truncate": False}},
+        ["'TEXT' row 0 has more than 256 tokens", "truncation is off"],
+    ),
+]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize(("name", "request_kwargs", "expected"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, protocol, name, request_kwargs, expected):
+    pid = server.pid
+    with pytest.raises(InferenceServerException) as info:
+        send(server, protocol, **request_kwargs)
+    message = info.value.message()
+    for part in expected:
+        assert part in message, f"{name}: {part!r} not in {message!r}"
+    assert str(info.value.status()) in ("StatusCode.INVALID_ARGUMENT", "400")
+    assert send(server, protocol, texts(b"a good request right after")).shape == (1, 384)
+    assert server.pid == pid and server.is_alive()
+
+
+def test_long_texts_are_truncated_by_default_and_on_request(server, reference):
+    long = "word " * 400
+    expected = reference_embed(reference, [long])
+    np.testing.assert_allclose(send(server, "grpc", texts(long.encode())), expected, atol=1e-5)
+    truncated = send(server, "http", texts(long.encode()), params={"truncate": True})
+    np.testing.assert_allclose(truncated, expected, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(
+        st.one_of(st.text(max_size=200), st.binary(max_size=200)),
+        min_size=1,
+        max_size=6,
+    ),
+    protocol=st.sampled_from(["grpc", "http"]),
+)
+def test_random_unicode_and_bytes_give_embeddings_or_clear_errors(server, reference, rows, protocol):
+    items = [r.encode("utf-8", "surrogatepass") if isinstance(r, str) else r for r in rows]
+    try:
+        served = send(server, protocol, texts(*items))
+    except InferenceServerException as exc:
+        assert str(exc.status()) in ("StatusCode.INVALID_ARGUMENT", "400"), exc.message()
+        assert "'TEXT' row" in exc.message()
+        bad = []
+        for item in items:
+            try:
+                item.decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(item)
+        assert bad or any(b"\x00" in item for item in items), f"rejected valid input: {exc.message()}"
+        return
+    decoded = [item.decode("utf-8") for item in items]  # accepted: every row was valid UTF-8 without NUL
+    assert not any("\x00" in t for t in decoded)
+    np.testing.assert_allclose(served, reference_embed(reference, decoded), atol=1e-5)
+
+
+def http_admin(server, path: str, headers: dict | None = None) -> int:
+    request = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=b"{}", method="POST", headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - our loopback server
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_admin_apis_need_the_header_and_inference_does_not(server):
+    assert http_admin(server, "/v2/repository/index") == 403
+    assert http_admin(server, "/v2/logging") == 403
+    assert http_admin(server, "/v2/repository/index", server.admin_headers("http")) == 200
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException, match="restricted"):
+            grpc.get_model_repository_index()
+        assert grpc.get_model_repository_index(headers=server.admin_headers("grpc")) is not None
+        assert grpc.is_server_ready() and grpc.get_inference_statistics("embed") is not None
+    finally:
+        grpc.close()
+    with EmbeddingClient(url=server.http_url, protocol="http") as client:
+        assert client.embed(["inference needs no header"]).shape == (1, 384)
+        assert client.health().model_ready
