@@ -19,9 +19,8 @@ def test_config_parses(path):
     assert config.max_batch_size == 64
 
 
-def test_encoder_sheds_load_and_tokenizer_bounds_its_queue():
+def test_tokenizer_bounds_its_queue_and_encoder_has_no_queue_policy():
     encoder = text_format.Parse((REPO / "encoder" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    policy = encoder.dynamic_batching.default_queue_policy
-    assert policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT and policy.max_queue_size > 0
+    assert not encoder.dynamic_batching.HasField("default_queue_policy")  # 500 ms stalls on 2.51, see the config
     tokenizer = text_format.Parse((REPO / "tokenizer" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert tokenizer.dynamic_batching.default_queue_policy.max_queue_size > 0
