@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,10 +81,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# The child must get SIGTERM when its parent dies (no orphan servers). util-linux's setpriv sets that before it
+# execs tritonserver; without it, a preexec_fn calls prctl, resolved here, before any fork: loading a library in
+# a forked child of a threaded process can deadlock (seen: a test hung in Popen while gRPC threads ran).
+_SETPRIV = shutil.which("setpriv")
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent() -> None:
-    """In the child before exec: ask the kernel to SIGTERM us when the parent dies (no orphan servers)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    """Fallback preexec_fn: ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` with the function resolved before the fork."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _spawn_args(command: list[str]) -> tuple[list[str], object]:
+    """``(argv, preexec_fn)`` that start ``command`` with the parent-death signal set."""
+    if _SETPRIV:
+        return [_SETPRIV, "--pdeathsig", "TERM", "--", *command], None
+    return command, _die_with_parent
 
 
 class EmbeddedServer:
@@ -171,13 +185,14 @@ class EmbeddedServer:
             self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = open(self.config.log_file, "ab")  # noqa: SIM115 - closed in stop()
             stdout = self._log_handle
+        argv, preexec = _spawn_args(self.command())
         self._process = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
-            self.command(),
+            argv,
             env=server_environment(find_layout()),
             stdout=stdout,
             stderr=subprocess.STDOUT if stdout else None,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads are started between fork and exec
+            preexec_fn=preexec,  # noqa: PLW1509 - None when setpriv is there; else only an async-signal-safe call
         )
         return self
 
