@@ -15,9 +15,7 @@ from triton_embed.errors import EmbeddingError, from_triton
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
-    RequestBuilder,
     backoff,
-    disable_shared_memory_warning,
     max_batch_and_dim,
     retryable,
 )
@@ -141,24 +139,16 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def _acquire_region(self, texts: list[str], dim: int):
         """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
-        pool = self._shm
-        if pool is None:
-            return None, None
+        pool, region = self._take_region(texts, dim)
+        if region is None or region.registered:
+            return pool, region
         try:
-            region = pool.acquire(RequestBuilder.region_bytes(texts, dim))
-        except RuntimeError:  # another task gave shared memory up a moment ago
+            await self._call("register_system_shared_memory", region.name, region.key, region.byte_size)
+        except EmbeddingError as exc:
+            self._give_up_shared_memory(pool, region, exc)
+            await asyncio.to_thread(pool.close, lambda name: None, 5.0)
             return None, None
-        if not region.registered:
-            try:
-                await self._call("register_system_shared_memory", region.name, region.key, region.byte_size)
-                region.registered = True
-            except EmbeddingError as exc:
-                pool.discard(region)
-                if self._shm is pool:
-                    self._shm = None
-                    disable_shared_memory_warning(self.url, exc)
-                await asyncio.to_thread(pool.close, lambda name: None, 5.0)
-                return None, None
+        region.registered = True
         return pool, region
 
     async def health(self) -> Health:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 from triton_embed.errors import EmbeddingError
-from triton_embed.shm import ShmPool
-from triton_embed.transport import ClientStats, Counters, RequestBuilder, Settings
+from triton_embed.shm import Region, ShmPool
+from triton_embed.transport import ClientStats, Counters, RequestBuilder, Settings, disable_shared_memory_warning
 
 
 class ClientBase:
@@ -65,6 +67,7 @@ class ClientBase:
         self._config: dict | None = None
         self._closed = False
         self._shm: ShmPool | None = None
+        self._shm_lock = threading.Lock()
         self._setup()
 
     def _protocol_module(self, protocol: str):
@@ -93,6 +96,27 @@ class ClientBase:
     def stats(self) -> ClientStats:
         """Client-side counters: requests, texts, retries, errors, HTTP body bytes, shared memory regions."""
         return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
+
+    def _take_region(self, texts: list[str], dim: int) -> tuple[ShmPool | None, Region | None]:
+        """``(pool, region)`` big enough for this request (maybe not registered yet), or ``(None, None)``."""
+        pool = self._shm
+        if pool is None:
+            return None, None
+        try:
+            return pool, pool.acquire(RequestBuilder.region_bytes(texts, dim))
+        except RuntimeError:  # another caller gave shared memory up a moment ago
+            return None, None
+
+    def _give_up_shared_memory(self, pool: ShmPool, region: Region, error: Exception) -> None:
+        """Registration failed: free the region and send tensors over the network from now on (warns once).
+
+        The caller then closes ``pool`` (blocking for the sync client, in a thread for the asyncio one).
+        """
+        pool.discard(region)
+        with self._shm_lock:
+            if self._shm is pool:
+                self._shm = None
+                disable_shared_memory_warning(self.url, error)
 
     def _closed_error(self) -> EmbeddingError:
         return EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")

@@ -18,9 +18,7 @@ from triton_embed.errors import EmbeddingError, from_triton
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
-    RequestBuilder,
     backoff,
-    disable_shared_memory_warning,
     max_batch_and_dim,
     normalise_url,
     retryable,
@@ -216,27 +214,18 @@ class EmbeddingClient(ClientBase):
 
     def _acquire_region(self, client, texts: list[str], dim: int):
         """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
-        pool = self._shm
-        if pool is None:
-            return None, None
+        pool, region = self._take_region(texts, dim)
+        if region is None or region.registered:
+            return pool, region
         try:
-            region = pool.acquire(RequestBuilder.region_bytes(texts, dim))
-        except RuntimeError:  # another thread gave shared memory up a moment ago
+            client.register_system_shared_memory(
+                region.name, region.key, region.byte_size, headers=self.settings.headers
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure means: use the network instead
+            self._give_up_shared_memory(pool, region, exc)
+            pool.close(lambda name: None, timeout_s=5.0)
             return None, None
-        if not region.registered:
-            try:
-                client.register_system_shared_memory(
-                    region.name, region.key, region.byte_size, headers=self.settings.headers
-                )
-                region.registered = True
-            except Exception as exc:  # noqa: BLE001 - any failure means: use the network instead
-                pool.discard(region)
-                with self._lock:
-                    if self._shm is pool:
-                        self._shm = None
-                        disable_shared_memory_warning(self.url, exc)
-                pool.close(lambda name: None, timeout_s=5.0)
-                return None, None
+        region.registered = True
         return pool, region
 
     # -- health and statistics --------------------------------------------------------------------------------

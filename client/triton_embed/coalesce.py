@@ -10,6 +10,31 @@ from concurrent.futures import Future
 import numpy as np
 
 
+def _claim(inflight: dict, texts: list[str], new_future: Callable[[], object]) -> tuple[dict, dict]:
+    """Split the distinct ``texts`` into ``(mine, theirs)``: new futures this call must fill, and in-flight ones."""
+    mine, theirs = {}, {}
+    for text in dict.fromkeys(texts):
+        future = inflight.get(text)
+        if future is None:
+            mine[text] = inflight[text] = new_future()
+        else:
+            theirs[text] = future
+    return mine, theirs
+
+
+def _fill(mine: dict, rows) -> None:
+    """Give each claimed future its row."""
+    for future, row in zip(mine.values(), rows, strict=True):
+        future.set_result(row)
+
+
+def _fail(mine: dict, exc: BaseException) -> None:
+    """Pass a failure on to everyone waiting for this call's texts."""
+    for future in mine.values():
+        if not future.done():
+            future.set_exception(exc)
+
+
 class Coalescer:
     """For threads: texts already being embedded by another call are awaited, not sent again."""
 
@@ -19,23 +44,13 @@ class Coalescer:
 
     def run(self, texts: list[str], compute: Callable[[list[str]], np.ndarray]) -> np.ndarray:
         """Embed ``texts`` with ``compute`` (``list[str] -> (n, dim)``) sending each distinct text at most once."""
-        mine: dict[str, Future] = {}
-        theirs: dict[str, Future] = {}
         with self._lock:
-            for text in dict.fromkeys(texts):
-                future = self._inflight.get(text)
-                if future is None:
-                    mine[text] = self._inflight[text] = Future()
-                else:
-                    theirs[text] = future
+            mine, theirs = _claim(self._inflight, texts, Future)
         try:
             if mine:
-                for future, row in zip(mine.values(), compute(list(mine)), strict=True):
-                    future.set_result(row)
+                _fill(mine, compute(list(mine)))
         except BaseException as exc:
-            for future in mine.values():
-                if not future.done():
-                    future.set_exception(exc)
+            _fail(mine, exc)
             raise
         finally:
             with self._lock:
@@ -52,23 +67,12 @@ class AsyncCoalescer:
 
     async def run(self, texts: list[str], compute: Callable[[list[str]], Awaitable[np.ndarray]]) -> np.ndarray:
         """Embed ``texts`` with ``await compute(...)`` sending each distinct text at most once."""
-        loop = asyncio.get_running_loop()
-        mine: dict[str, asyncio.Future] = {}
-        theirs: dict[str, asyncio.Future] = {}
-        for text in dict.fromkeys(texts):
-            future = self._inflight.get(text)
-            if future is None:
-                mine[text] = self._inflight[text] = loop.create_future()
-            else:
-                theirs[text] = future
+        mine, theirs = _claim(self._inflight, texts, asyncio.get_running_loop().create_future)
         try:
             if mine:
-                for future, row in zip(mine.values(), await compute(list(mine)), strict=True):
-                    future.set_result(row)
+                _fill(mine, await compute(list(mine)))
         except BaseException as exc:
-            for future in mine.values():
-                if not future.done():
-                    future.set_exception(exc)
+            _fail(mine, exc)
             raise
         finally:
             for text in mine:

@@ -134,6 +134,11 @@ def text_tensor(texts: list[str]) -> np.ndarray:
     return np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
 
 
+def serialized_bytes(texts: list[str]) -> int:
+    """Size of the serialized ``TEXT`` tensor: a 4-byte length before each UTF-8 string (Triton's BYTES layout)."""
+    return sum(4 + len(t.encode("utf-8")) for t in texts)
+
+
 class RequestBuilder:
     """Builds ``infer`` arguments for one protocol, with or without shared memory, and reads the answer."""
 
@@ -171,8 +176,7 @@ class RequestBuilder:
     @staticmethod
     def region_bytes(texts: list[str], dim: int) -> int:
         """Bytes a shared memory region needs for these texts and their embeddings."""
-        in_bytes = sum(4 + len(t.encode("utf-8")) for t in texts)
-        return output_offset(in_bytes) + len(texts) * dim * 4
+        return output_offset(serialized_bytes(texts)) + len(texts) * dim * 4
 
     def read(self, result, texts: list[str], dim: int, region: Region | None = None) -> tuple[np.ndarray, int]:
         """Return ``((len(texts), dim) float32, received_bytes)`` from an ``InferResult``.
@@ -182,7 +186,7 @@ class RequestBuilder:
         """
         n = len(texts)
         if region is not None:
-            offset = output_offset(sum(4 + len(t.encode("utf-8")) for t in texts))
+            offset = output_offset(serialized_bytes(texts))
             array = np.array(shm.get_contents_as_numpy(region.handle, np.float32, [n, dim], offset=offset))
         else:
             array = result.as_numpy(OUTPUT)

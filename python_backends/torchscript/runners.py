@@ -99,8 +99,8 @@ class BucketedRunner:
     def warmup(self) -> None:
         """Run every bucket once (and capture its graph on GPU), so no request pays first-run costs.
 
-        On the eager path each bucket length runs at batch 1 and at the bucket's batch size is not needed: the
-        module's cost there depends on the shape only, and TorchScript's profiling runs are per length.
+        On the eager path each bucket length runs once at batch 1 and once at batch 2, not at the bucket's batch
+        size: batch rows are not padded there, so the first call of each length is what warming saves.
         """
         start = time.perf_counter()
         if self.use_graphs:
