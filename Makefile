@@ -13,8 +13,18 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PYTEST_ARGS ?=
+# make loadtest / loadtest-ui / capacity: where the server is and how hard to push (defaults fit a 2-core machine).
+TRITON_HOST ?= 127.0.0.1
+USERS ?= 8
+SPAWN_RATE ?= 8
+RUN_TIME ?= 60s
+SLA_MS ?= 200
+LOCUST_ARGS ?=
+CAPACITY_USERS ?= 1,2,4,8,16,32
+LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
+	--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model serve test lint bench clean
+.PHONY: install model serve test lint bench clean loadtest loadtest-ui capacity
 
 install: $(STAMP)
 
@@ -48,3 +58,17 @@ clean:
 # Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets); ~10 min.
 bench: model
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# Locust against a running server (`make serve` in another terminal): SLA gate + report in loadtest/runs/<time>/.
+loadtest: install
+	$(LOCUST) --headless --users $(USERS) --spawn-rate $(SPAWN_RATE) --run-time $(RUN_TIME) --stop-timeout 10 \
+		$(LOCUST_ARGS)
+
+# Locust's web UI on http://127.0.0.1:8089 (loopback only); each run still writes its report.
+loadtest-ui: install
+	$(LOCUST) --web-host 127.0.0.1 --users $(USERS) --spawn-rate $(SPAWN_RATE) $(LOCUST_ARGS)
+
+# Highest throughput that passes the SLA gate, stepping the users through CAPACITY_USERS (30 s per step).
+capacity: install
+	$(PY) -m loadtest.capacity --users $(CAPACITY_USERS) -- --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
+		--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS) $(LOCUST_ARGS)

@@ -35,24 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import Level, best_under_sla, sweep  # noqa: E402
+from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
 
-STS_DIR = ROOT.parent / "shared" / "data" / "stsbenchmark"
 OUT_DIR = ROOT / "docs" / "benchmarks"
-
-
-def load_corpus(path: Path | None) -> list[str]:
-    """STS-B train+dev sentences (both columns), or the lines of ``path``."""
-    if path is not None:
-        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    files = [STS_DIR / "sts-train.csv", STS_DIR / "sts-dev.csv"]
-    if not all(f.is_file() for f in files):
-        sys.exit(f"STS Benchmark not found in {STS_DIR}; pass --corpus FILE (one text per line)")
-    texts = []
-    for f in files:
-        for line in f.read_text(encoding="utf-8").splitlines():
-            cols = line.split("\t")
-            texts += [cols[5], cols[6]]
-    return texts
 
 
 def in_process(texts: list[str], seconds: float) -> dict:
@@ -242,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
 
-    texts = load_corpus(args.corpus)
+    try:
+        texts = load_corpus(args.corpus)
+    except CorpusError as exc:
+        sys.exit(str(exc))
     rng = np.random.default_rng(0)
     texts = [texts[i] for i in rng.permutation(len(texts))]
     results = {

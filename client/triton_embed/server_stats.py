@@ -14,7 +14,10 @@ class StepStats:
 
     Attributes:
         model: model name (``embed``, ``tokenizer``, ``encoder``).
-        requests: successful requests (``inference_stats.success.count``).
+        requests: successful requests (``inference_stats.success.count``; response-cache hits included).
+        failures: failed requests (``inference_stats.fail.count``).
+        request_ms: mean time of a successful request inside this model, from arrival to response, milliseconds
+            (``success.ns / success.count``; for the ensemble, the whole pipeline; cache hits count as ~0).
         inferences: texts run (``inference_count``; a request of N texts counts N).
         executions: model executions (``execution_count``); ``inferences / executions`` is the average batch.
         queue_ms, compute_input_ms, compute_infer_ms, compute_output_ms: mean per request, milliseconds.
@@ -23,6 +26,8 @@ class StepStats:
 
     model: str
     requests: int
+    failures: int
+    request_ms: float
     inferences: int
     executions: int
     queue_ms: float
@@ -59,7 +64,7 @@ def parse(model_stats: dict, before: dict | None = None) -> StepStats:
     def total(key: str) -> int:
         return int(model_stats.get(key, 0)) - (int(before.get(key, 0)) if before else 0)
 
-    requests = delta("success")[0]
+    requests, success_ns = delta("success")
     means = {}
     for name in _DURATIONS:
         count, ns = delta(name)
@@ -67,6 +72,8 @@ def parse(model_stats: dict, before: dict | None = None) -> StepStats:
     return StepStats(
         model=model_stats.get("name", "?"),
         requests=requests,
+        failures=delta("fail")[0],
+        request_ms=success_ns / requests / 1e6 if requests else 0.0,
         inferences=total("inference_count"),
         executions=total("execution_count"),
         cache_hits=delta("cache_hit")[0],

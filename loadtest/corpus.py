@@ -1,0 +1,48 @@
+"""Real text for load: STS Benchmark sentences, or a text file with one text per line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The data lives beside the checkout and is never copied into it; TRITON_EMBED_STS_DIR points elsewhere.
+STS_DIR = Path(os.environ.get("TRITON_EMBED_STS_DIR", ROOT.parent / "shared" / "data" / "stsbenchmark"))
+STS_FILES = ("sts-train.csv", "sts-dev.csv")
+
+
+class CorpusError(ValueError):
+    """No usable text: the named file is missing or empty, or STS-B is absent and no file was named."""
+
+
+def load_corpus(path: str | Path | None = None, sts_dir: Path = STS_DIR) -> list[str]:
+    """Texts to send, in file order.
+
+    Args:
+        path: a UTF-8 text file, one text per line (blank lines skipped); None = STS-B train+dev, both sentence
+            columns (11,498 sentences: median 14 tokens, p95 31, max 53 for all-MiniLM-L6-v2).
+        sts_dir: folder with ``sts-train.csv`` and ``sts-dev.csv`` (tab-separated, sentences in columns 5 and 6).
+
+    Returns:
+        the texts, non-empty strings.
+
+    Raises:
+        CorpusError: ``path`` is missing or holds no text, or ``path`` is None and STS-B is not in ``sts_dir``.
+    """
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise CorpusError(f"corpus file {file} not found (expected a text file, one text per line)")
+        texts = [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not texts:
+            raise CorpusError(f"corpus file {file} holds no text")
+        return texts
+    files = [sts_dir / name for name in STS_FILES]
+    if not all(f.is_file() for f in files):
+        raise CorpusError(f"STS Benchmark not found in {sts_dir}; name a text file (one text per line) instead")
+    texts = []
+    for f in files:
+        for line in f.read_text(encoding="utf-8").splitlines():
+            cols = line.split("\t")
+            texts += [cols[5], cols[6]]
+    return texts

@@ -1,0 +1,208 @@
+"""The run folder: ``report.md`` (for people), ``report.json`` (for scripts), ``latency.png``, ``stages.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from triton_embed.server_stats import StepStats
+
+from loadtest.gate import GateResult, Sample, timeline, window
+from loadtest.stages import Stage, culprit
+
+
+def by_name(samples: list[Sample]) -> list[dict]:
+    """Per ``(request_type, name)``: requests, failures, p50/p99 of the successes (ms), sorted by name."""
+    groups: dict[tuple[str, str], list[Sample]] = {}
+    for x in samples:
+        groups.setdefault((x.request_type, x.name), []).append(x)
+    rows = []
+    for (kind, name), group in sorted(groups.items()):
+        ok = np.array([x.response_ms for x in group if not x.failed])
+        p50, p99 = (float(v) for v in np.percentile(ok, [50, 99])) if ok.size else (0.0, 0.0)
+        rows.append(
+            {
+                "type": kind,
+                "name": name,
+                "requests": len(group),
+                "failures": sum(x.failed for x in group),
+                "p50_ms": p50,
+                "p99_ms": p99,
+            }
+        )
+    return rows
+
+
+def gpu_summary(samples) -> list[dict]:
+    """Per GPU over the run: samples, mean/max utilisation (%), max memory used (bytes), mean power (W)."""
+    per_gpu: dict[int, list] = {}
+    for s in samples:
+        per_gpu.setdefault(s.index, []).append(s)
+    rows = []
+    for index, group in sorted(per_gpu.items()):
+        util = np.array([s.gpu_util_pct for s in group])
+        rows.append(
+            {
+                "index": index,
+                "name": group[0].name,
+                "samples": len(group),
+                "gpu_util_mean_pct": float(util.mean()),
+                "gpu_util_max_pct": float(util.max()),
+                "mem_used_max_bytes": max(s.mem_used_bytes for s in group),
+                "mem_total_bytes": group[0].mem_total_bytes,
+                "power_mean_w": float(np.mean([s.power_w for s in group])),
+            }
+        )
+    return rows
+
+
+def build(
+    *,
+    run: dict,
+    gate: GateResult,
+    samples: list[Sample],
+    window_s: tuple[float, float],
+    steps_run: dict[str, StepStats],
+    steps_window: dict[str, StepStats],
+    stages: list[Stage],
+    gpu: list[dict] | None,
+) -> dict:
+    """Everything the run measured, as one JSON-ready dict (see ``loadtest/README.md`` for the fields).
+
+    ``count_check`` compares Locust's requests over the whole run with the ensemble's successes plus failures in
+    Triton's statistics over the same run: they must agree (within 1%) for the stage breakdown to describe the
+    requests the gate judged.
+    """
+    triton_requests = steps_run["embed"].requests + steps_run["embed"].failures
+    blamed = culprit(stages)
+    return {
+        "run": run,
+        "gate": gate.as_dict(),
+        "window": {"start_s": window_s[0], "end_s": window_s[1]},
+        "requests": by_name(window(samples, *window_s)),
+        "count_check": {
+            "locust_requests": len(samples),
+            "triton_requests": triton_requests,
+            "relative_difference": abs(len(samples) - triton_requests) / max(1, triton_requests),
+        },
+        "triton": {
+            "run": {k: v.as_dict() for k, v in steps_run.items()},
+            "window": {k: v.as_dict() for k, v in steps_window.items()},
+        },
+        "stages": [s.as_dict() for s in stages],
+        "culprit": blamed.as_dict() if blamed else None,
+        "gpu": gpu,
+        "timeline": timeline(samples, origin_s=run["started_s"]),
+    }
+
+
+def _markdown(report: dict) -> str:
+    gate, run, check = report["gate"], report["run"], report["count_check"]
+    lines = [
+        f"# Load test {run['started']}",
+        "",
+        f"**{gate['line']}**",
+        "",
+        f"Target {run['target']}; users {run['users']} ({', '.join(run['user_classes'])}), spawn rate "
+        f"{run['spawn_rate']}/s, warm-up {run['warmup_s']:g} s after the last user started; corpus {run['corpus']}.",
+        "",
+        "## Requests in the window",
+        "",
+        "| type | name | requests | failures | p50 ms | p99 ms |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['type']} | {r['name']} | {r['requests']} | {r['failures']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |"
+        for r in report["requests"]
+    ]
+    lines += [
+        "",
+        "## Where the time went (mean per request, window)",
+        "",
+        "| stage | ms | share of client mean |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {s['name']} | {s['ms']:.2f} | {100 * s['share']:.0f}% |" for s in report["stages"]]
+    if report["culprit"]:
+        c = report["culprit"]
+        lines += ["", f"Largest stage: **{c['name']}**, {c['ms']:.1f} ms ({100 * c['share']:.0f}% of the mean)."]
+    lines += [
+        "",
+        "## Triton statistics per step (window)",
+        "",
+        "| model | requests | failures | texts | executions | avg batch | queue ms | input ms | infer ms | output ms "
+        "| cache hits |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in report["triton"]["window"].items():
+        lines.append(
+            f"| {name} | {s['requests']} | {s['failures']} | {s['inferences']} | {s['executions']} | "
+            f"{s['avg_batch']:.1f} | {s['queue_ms']:.2f} | {s['compute_input_ms']:.2f} | {s['compute_infer_ms']:.2f} "
+            f"| {s['compute_output_ms']:.2f} | {s['cache_hits']} |"
+        )
+    lines += [
+        "",
+        f"Request count check (whole run): Locust {check['locust_requests']}, Triton {check['triton_requests']} "
+        f"(difference {100 * check['relative_difference']:.2f}%).",
+        "",
+        "## GPU",
+        "",
+    ]
+    if report["gpu"]:
+        lines += ["| GPU | name | samples | util mean % | util max % | memory max MiB | power mean W |"]
+        lines += ["|---:|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"| {g['index']} | {g['name']} | {g['samples']} | {g['gpu_util_mean_pct']:.0f} "
+            f"| {g['gpu_util_max_pct']:.0f} | {g['mem_used_max_bytes'] / 2**20:.0f} | {g['power_mean_w']:.0f} |"
+            for g in report["gpu"]
+        ]
+    else:
+        lines.append("No GPU samples (no NVIDIA driver or GPU on the machine that ran Locust).")
+    lines += ["", "![latency and throughput](latency.png)", "", "![stages](stages.png)", ""]
+    return "\n".join(lines)
+
+
+def _plots(report: dict, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["timeline"]
+    t = [r["t_s"] for r in rows]
+    fig, (lat, rps) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for key in ("p50_ms", "p95_ms", "p99_ms"):
+        lat.plot(t, [r[key] for r in rows], label=key.split("_")[0])
+    lat.axhline(report["gate"]["spec"]["p99_ms"], color="red", linestyle="--", label="SLA p99")
+    start = report["window"]["start_s"] - report["run"]["started_s"]
+    for ax in (lat, rps):
+        ax.axvspan(0, start, color="grey", alpha=0.2, label="ramp-up + warm-up" if ax is lat else None)
+    lat.set_ylabel("latency (ms)")
+    lat.legend(loc="upper right")
+    rps.plot(t, [r["rps"] for r in rows], color="black", label="successes/s")
+    rps.bar(t, [r["failures"] for r in rows], color="red", label="failures")
+    rps.set_ylabel("requests/s")
+    rps.set_xlabel("seconds since start")
+    rps.legend(loc="upper right")
+    fig.suptitle(report["gate"]["line"][:110], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "latency.png", dpi=100)
+    plt.close(fig)
+
+    stages = report["stages"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh([s["name"] for s in stages][::-1], [s["ms"] for s in stages][::-1])
+    ax.set_xlabel("mean ms per request (window)")
+    ax.set_title("where the time went")
+    fig.tight_layout()
+    fig.savefig(folder / "stages.png", dpi=100)
+    plt.close(fig)
+
+
+def write(report: dict, folder: Path) -> None:
+    """Write ``report.json``, ``report.md``, ``latency.png`` and ``stages.png`` into ``folder`` (created)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report, indent=2))
+    (folder / "report.md").write_text(_markdown(report))
+    _plots(report, folder)

@@ -1,0 +1,159 @@
+"""One Locust test run: statistics snapshots, GPU samples, the SLA gate and the report, wired to Locust's events."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import gevent
+import numpy as np
+import tritonclient.http as httpclient
+from triton_embed.server_stats import STEPS, parse
+
+from loadtest import report
+from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, window
+from loadtest.stages import breakdown, culprit
+
+log = logging.getLogger("loadtest")
+RUNS_DIR = Path(__file__).resolve().parent / "runs"
+
+
+class StatsSource:
+    """Raw ``model_stats`` entries of the ensemble and its steps from Triton's HTTP statistics API."""
+
+    def __init__(self, url: str, models: tuple[str, ...] = STEPS) -> None:
+        self.url, self.models = url, models
+
+    def snapshot(self) -> dict[str, dict]:
+        """``{model: model_stats[0]}`` now (counters since the server started).
+
+        Raises:
+            tritonclient.utils.InferenceServerException: the server is unreachable or a model is unknown.
+        """
+        client = httpclient.InferenceServerClient(self.url, connection_timeout=10, network_timeout=10)
+        try:
+            return {m: client.get_inference_statistics(m)["model_stats"][0] for m in self.models}
+        finally:
+            client.close()
+
+
+def _gpu_monitor(interval_s: float):
+    """A started ``triton_embed.monitor.GpuMonitor``, or None where the monitor or a GPU is absent."""
+    try:
+        from triton_embed.monitor import GpuMonitor
+    except ImportError:
+        return None
+    monitor = GpuMonitor(interval_s=interval_s)
+    return monitor.start() if monitor.available else None
+
+
+class LoadRun:
+    """Listens to one Locust environment's events and, when a test stops, judges and reports it.
+
+    Timeline of a run: ``test_start`` (statistics snapshot, GPU monitor on) -> users spawn ->
+    ``spawning_complete`` -> ``--warmup-s`` seconds -> window start (second snapshot) -> ``test_stop`` (window
+    end, last snapshot, gate, report). The gate's verdict sets the exit code at ``quitting``.
+    """
+
+    def __init__(self, environment) -> None:
+        self.env = environment
+        self.opts = environment.parsed_options
+        self.recorder = Recorder()
+        self.stats = StatsSource(f"{self.opts.triton_host}:{self.opts.http_port}")
+        self.result: GateResult | None = None
+        self.folder: Path | None = None
+        self._reset()
+        events = environment.events
+        events.request.add_listener(self.recorder.on_request)
+        events.test_start.add_listener(self.on_test_start)
+        events.spawning_complete.add_listener(self.on_spawning_complete)
+        events.test_stop.add_listener(self.on_test_stop)
+        events.quitting.add_listener(self.on_quitting)
+
+    def _reset(self) -> None:
+        self.started_s = time.time()
+        self.window_start_s: float | None = None
+        self.snapshots: dict[str, dict[str, dict]] = {}
+        self.monitor = None
+
+    def spec(self) -> SlaSpec:
+        """The limits from the command line (``--sla-ms``, ``--sla-p95-ms``, ``--max-fail-ratio``, ...)."""
+        o = self.opts
+        return SlaSpec(
+            p99_ms=o.sla_ms,
+            p95_ms=o.sla_p95_ms if o.sla_p95_ms is not None else o.sla_ms,
+            max_fail_ratio=o.max_fail_ratio,
+            min_requests=o.min_requests,
+        )
+
+    def on_test_start(self, **_) -> None:
+        """A new run: forget the last one's samples, snapshot Triton's statistics, start GPU sampling."""
+        self._reset()
+        self.recorder.samples.clear()
+        self.snapshots["start"] = self.stats.snapshot()
+        self.monitor = _gpu_monitor(self.opts.gpu_interval_s)
+
+    def on_spawning_complete(self, user_count: int, **_) -> None:
+        """All users run: the measured window opens ``--warmup-s`` seconds from now."""
+        self.window_start_s = time.time() + self.opts.warmup_s
+        gevent.spawn_later(self.opts.warmup_s, self._open_window)
+        log.info("%d users running; window opens in %.0f s", user_count, self.opts.warmup_s)
+
+    def _open_window(self) -> None:
+        self.snapshots["window"] = self.stats.snapshot()
+
+    def on_test_stop(self, **_) -> None:
+        """Close the window, judge it, write the report and print the verdict line."""
+        end_s = time.time()
+        gevent.sleep(0.2)  # let Triton account for the last responses
+        self.snapshots["end"] = self.stats.snapshot()
+        gpu_samples = []
+        if self.monitor is not None:
+            self.monitor.stop()
+            gpu_samples = self.monitor.samples()
+        samples = self.recorder.samples
+        start_s = self.window_start_s if self.window_start_s is not None else end_s
+        try:
+            self.result = evaluate(samples, start_s, end_s, self.spec())
+        except ValueError as exc:  # the run ended before the window opened
+            self.result = GateResult(False, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, (str(exc),), self.spec())
+        end, begin = self.snapshots["end"], self.snapshots.get("window", self.snapshots["start"])
+        steps_window = {m: parse(end[m], begin[m]) for m in end}
+        steps_run = {m: parse(end[m], self.snapshots["start"][m]) for m in end}
+        ok = [x.response_ms for x in window(samples, start_s, end_s) if not x.failed]
+        stages = breakdown(steps_window, float(np.mean(ok)) if ok else 0.0)
+        o = self.opts
+        run = {
+            "started": datetime.fromtimestamp(self.started_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "started_s": self.started_s,
+            "target": f"{o.triton_host} (HTTP {o.http_port}, gRPC {o.grpc_port}), model {o.model}",
+            "users": o.num_users,
+            "spawn_rate": o.spawn_rate,
+            "warmup_s": o.warmup_s,
+            "user_classes": [c.__name__ for c in self.env.user_classes],
+            "corpus": f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts)",
+        }
+        data = report.build(
+            run=run,
+            gate=self.result,
+            samples=samples,
+            window_s=(start_s, end_s),
+            steps_run=steps_run,
+            steps_window=steps_window,
+            stages=stages,
+            gpu=report.gpu_summary(gpu_samples) if gpu_samples else None,
+        )
+        self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+        report.write(data, self.folder)
+        blamed = culprit(stages)
+        print(self.result.line(), flush=True)
+        if blamed is not None:
+            print(f"Largest stage: {blamed.name}, {blamed.ms:.1f} ms ({100 * blamed.share:.0f}% of the mean)")
+        print(f"Report: {self.folder / 'report.md'}", flush=True)  # flushes the lines above too
+
+    def on_quitting(self, environment, **_) -> None:
+        """Exit code: 0 when the gate passed, 1 when it failed (Locust's own any-failure rule is replaced)."""
+        if self.result is not None:
+            environment.process_exit_code = 0 if self.result.passed else 1

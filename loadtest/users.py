@@ -1,0 +1,105 @@
+"""Locust users that call the service through ``triton_embed``'s client, one client per user.
+
+Built the way Locust's own non-HTTP examples are: a thin wrapper times each call with ``perf_counter`` and fires
+Locust's ``request`` event; an abstract :class:`TritonUser` builds its client in ``__init__``. gRPC under gevent
+needs ``grpc.experimental.gevent.init_gevent()`` before the first channel: the locustfile calls it at import.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from locust import User, constant, task
+from triton_embed import EmbeddingClient
+
+# Task weights: the online case (one sentence per request) dominates; small batches model bulk callers.
+SINGLE_WEIGHT = 10
+BATCH_WEIGHT = 1
+BATCH_SIZE = 8
+
+
+class TimedEmbedder:
+    """Times :meth:`EmbeddingClient.embed` and reports each call to Locust as one request.
+
+    Locust sees ``request_type`` = protocol (``grpc``/``http``), ``name`` = ``"<model> x<texts>"``,
+    ``response_time`` in ms (``perf_counter`` around the whole call), ``response_length`` = bytes of the returned
+    ``(texts, dim) float32`` array, and the exception (our client's error classes) when the call failed.
+    """
+
+    def __init__(self, client: EmbeddingClient, request_event) -> None:
+        self.client = client
+        self._fire = request_event.fire
+
+    def embed(self, texts: list[str]) -> None:
+        """Embed ``texts`` once; never raises (a failure is reported to Locust instead)."""
+        start = time.perf_counter()
+        length, error = 0, None
+        try:
+            length = self.client.embed(texts).nbytes
+        except Exception as exc:  # noqa: BLE001 - every failure is a failed request for Locust, not a crash
+            error = exc
+        self._fire(
+            request_type=self.client.protocol,
+            name=f"{self.client.model} x{len(texts)}",
+            response_time=(time.perf_counter() - start) * 1000.0,
+            response_length=length,
+            exception=error,
+            context={},
+        )
+
+
+class TritonUser(User):
+    """One closed-loop caller: sends a request, waits for the answer, sends the next (no think time).
+
+    Subclasses set ``protocol``. Connection settings come from the locustfile's options
+    (``--triton-host``, ``--grpc-port``/``--http-port``, ``--model``, ``--request-timeout-s``); texts from the
+    corpus the locustfile loaded into ``environment.corpus``. The client does not retry: a failure is a failure.
+    """
+
+    abstract = True
+    protocol = "grpc"
+    wait_time = constant(0)
+
+    def __init__(self, environment) -> None:
+        super().__init__(environment)
+        opts = environment.parsed_options
+        port = opts.grpc_port if self.protocol == "grpc" else opts.http_port
+        self.embedder = TimedEmbedder(
+            EmbeddingClient(
+                url=f"{opts.triton_host}:{port}",
+                protocol=self.protocol,
+                model=opts.model,
+                timeout_s=opts.request_timeout_s,
+                retries=0,
+            ),
+            environment.events.request,
+        )
+        self.texts: list[str] = environment.corpus
+        self.rng = random.Random()  # noqa: S311 - picking sentences, not secrets
+
+    @task(SINGLE_WEIGHT)
+    def one_sentence(self) -> None:
+        """The online case: one text per request."""
+        self.embedder.embed([self.rng.choice(self.texts)])
+
+    @task(BATCH_WEIGHT)
+    def small_batch(self) -> None:
+        """A bulk caller: ``BATCH_SIZE`` texts per request."""
+        self.embedder.embed(self.rng.sample(self.texts, BATCH_SIZE))
+
+    def on_stop(self) -> None:
+        """Close the client's connections when Locust stops this user."""
+        self.embedder.client.close()
+
+
+class GrpcUser(TritonUser):
+    """Calls the ensemble over gRPC (port ``--grpc-port``)."""
+
+    protocol = "grpc"
+
+
+class HttpUser(TritonUser):
+    """Calls the ensemble over HTTP with binary tensor data (port ``--http-port``)."""
+
+    protocol = "http"
