@@ -51,10 +51,19 @@ def add_options(parser) -> None:
 def on_init(environment, **_) -> None:
     """Load the corpus once for all users and attach the run's gate and report to this environment.
 
-    Exits with a one-line message when the corpus is missing (STS-B absent and no ``--corpus``).
+    Exits with a one-line message when the corpus is missing (STS-B absent and no ``--corpus``) or the server's
+    statistics API does not answer (no server at ``--triton-host``/``--http-port``).
     """
     try:
         environment.corpus = load_corpus(environment.parsed_options.corpus)
     except CorpusError as exc:
         sys.exit(f"loadtest: {exc} (--corpus FILE)")
-    environment.load_run = LoadRun(environment)
+    run = LoadRun(environment)
+    try:
+        run.stats.snapshot()
+    except Exception as exc:  # noqa: BLE001 - any failure here means: no server to test
+        sys.exit(
+            f"loadtest: cannot read Triton's statistics at {run.stats.url} ({exc}); start the server "
+            "(make serve) or point --triton-host/--http-port at it"
+        )
+    environment.load_run = run

@@ -74,7 +74,8 @@ def build(
     Triton's statistics over the same run: they must agree (within 1%) for the stage breakdown to describe the
     requests the gate judged.
     """
-    triton_requests = steps_run["embed"].requests + steps_run["embed"].failures
+    embed = steps_run.get("embed")
+    triton_requests = embed.requests + embed.failures if embed else None
     blamed = culprit(stages)
     return {
         "run": run,
@@ -84,7 +85,9 @@ def build(
         "count_check": {
             "locust_requests": len(samples),
             "triton_requests": triton_requests,
-            "relative_difference": abs(len(samples) - triton_requests) / max(1, triton_requests),
+            "relative_difference": abs(len(samples) - triton_requests) / max(1, triton_requests)
+            if triton_requests is not None
+            else None,
         },
         "triton": {
             "run": {k: v.as_dict() for k, v in steps_run.items()},
@@ -141,14 +144,24 @@ def _markdown(report: dict) -> str:
             f"{s['avg_batch']:.1f} | {s['queue_ms']:.2f} | {s['compute_input_ms']:.2f} | {s['compute_infer_ms']:.2f} "
             f"| {s['compute_output_ms']:.2f} | {s['cache_hits']} |"
         )
-    lines += [
-        "",
-        f"Request count check (whole run): Locust {check['locust_requests']}, Triton {check['triton_requests']} "
-        f"(difference {100 * check['relative_difference']:.2f}%).",
-        "",
-        "## GPU",
-        "",
-    ]
+    embed = report["triton"]["window"].get("embed")
+    if embed and embed["cache_hits"]:
+        hits, requests = embed["cache_hits"], embed["requests"]
+        lines += [
+            "",
+            f"{hits} of {requests} requests ({100 * hits / requests:.0f}%)"
+            " were answered from the response cache: repeated texts measure the cache, not the model. Use a larger"
+            " corpus, or turn `response_cache` off in `embed/config.pbtxt`, to measure the model.",
+        ]
+    if check["triton_requests"] is None:
+        lines += ["", "Triton's statistics could not be read at the end of the run: no breakdown, no count check."]
+    else:
+        lines += [
+            "",
+            f"Request count check (whole run): Locust {check['locust_requests']}, Triton {check['triton_requests']} "
+            f"(difference {100 * check['relative_difference']:.2f}%).",
+        ]
+    lines += ["", "## GPU", ""]
     if report["gpu"]:
         lines += ["| GPU | name | samples | util mean % | util max % | memory max MiB | power mean W |"]
         lines += ["|---:|---|---:|---:|---:|---:|---:|"]
