@@ -43,6 +43,7 @@ def add_options(parser) -> None:
     group.add_argument("--max-fail-ratio", type=float, default=0.001, help="failed/all requests limit (0.001=0.1%%)")
     group.add_argument("--min-requests", type=int, default=100, help="fewer successes in the window is a FAIL")
     group.add_argument("--warmup-s", type=float, default=5.0, help="seconds after the last user starts not measured")
+    group.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (queue for GPU flags)")
     group.add_argument("--gpu-interval-s", type=float, default=0.5, help="NVML sampling interval, seconds")
     group.add_argument("--report-dir", default=None, help="run folder (default loadtest/runs/<time>/)")
 

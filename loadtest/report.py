@@ -34,8 +34,14 @@ def by_name(samples: list[Sample]) -> list[dict]:
     return rows
 
 
-def gpu_summary(samples) -> list[dict]:
-    """Per GPU over the run: samples, mean/max utilisation (%), max memory used (bytes), mean power (W)."""
+def gpu_summary(samples, episodes=()) -> list[dict]:
+    """Per GPU over the run: samples, mean/max utilisation (%), max memory used (bytes), mean power (W).
+
+    Args:
+        samples: ``triton_embed.monitor.GpuSample`` list.
+        episodes: ``triton_embed.monitor.Episode`` list (``idle_with_queue``, ``saturated``); each GPU's row lists
+            its own as ``{"kind", "start_s", "duration_s"}``.
+    """
     per_gpu: dict[int, list] = {}
     for s in samples:
         per_gpu.setdefault(s.index, []).append(s)
@@ -52,6 +58,9 @@ def gpu_summary(samples) -> list[dict]:
                 "mem_used_max_bytes": max(s.mem_used_bytes for s in group),
                 "mem_total_bytes": group[0].mem_total_bytes,
                 "power_mean_w": float(np.mean([s.power_w for s in group])),
+                "episodes": [
+                    {"kind": e.kind, "start_s": e.start, "duration_s": e.duration_s} for e in episodes if e.gpu == index
+                ],
             }
         )
     return rows
@@ -170,6 +179,12 @@ def _markdown(report: dict) -> str:
             f"| {g['gpu_util_max_pct']:.0f} | {g['mem_used_max_bytes'] / 2**20:.0f} | {g['power_mean_w']:.0f} |"
             for g in report["gpu"]
         ]
+        flagged = [
+            f"- GPU {g['index']}: **{e['kind']}** for {e['duration_s']:.1f} s"
+            for g in report["gpu"]
+            for e in g["episodes"]
+        ]
+        lines += ["", *(flagged or ["No GPU idle while requests waited, no sustained saturation."])]
     else:
         lines.append("No GPU samples (no NVIDIA driver or GPU on the machine that ran Locust).")
     lines += ["", "![latency and throughput](latency.png)", "", "![stages](stages.png)", ""]

@@ -39,13 +39,11 @@ class StatsSource:
             client.close()
 
 
-def _gpu_monitor(interval_s: float):
-    """A started ``triton_embed.monitor.GpuMonitor``, or None where the monitor or a GPU is absent."""
-    try:
-        from triton_embed.monitor import GpuMonitor
-    except ImportError:
-        return None
-    monitor = GpuMonitor(interval_s=interval_s)
+def _gpu_monitor(interval_s: float, metrics_url: str):
+    """A started ``triton_embed.monitor.GpuMonitor`` (reading Triton's queue too), or None without a GPU."""
+    from triton_embed.monitor import GpuMonitor
+
+    monitor = GpuMonitor(interval_s=interval_s, triton_metrics_url=metrics_url)
     return monitor.start() if monitor.available else None
 
 
@@ -93,7 +91,8 @@ class LoadRun:
         self._reset()
         self.recorder.samples.clear()
         self.snapshots["start"] = self.stats.snapshot()
-        self.monitor = _gpu_monitor(self.opts.gpu_interval_s)
+        metrics_url = f"http://{self.opts.triton_host}:{self.opts.metrics_port}/metrics"
+        self.monitor = _gpu_monitor(self.opts.gpu_interval_s, metrics_url)
 
     def on_spawning_complete(self, user_count: int, **_) -> None:
         """All users run: the measured window opens ``--warmup-s`` seconds from now."""
@@ -113,10 +112,13 @@ class LoadRun:
         except Exception as exc:  # noqa: BLE001 - the gate still judges what the client saw
             log.error("no statistics from Triton at the end of the run (%s): the report has no stage breakdown", exc)
             self.snapshots["end"] = {}
-        gpu_samples = []
+        gpu_samples, episodes = [], []
         if self.monitor is not None:
+            from triton_embed.monitor import find_episodes
+
             self.monitor.stop()
             gpu_samples = self.monitor.samples()
+            episodes = find_episodes(gpu_samples, self.monitor.queue_samples())
         samples = self.recorder.samples
         start_s = self.window_start_s if self.window_start_s is not None else end_s
         try:
@@ -147,7 +149,7 @@ class LoadRun:
             steps_run=steps_run,
             steps_window=steps_window,
             stages=stages,
-            gpu=report.gpu_summary(gpu_samples) if gpu_samples else None,
+            gpu=report.gpu_summary(gpu_samples, episodes) if gpu_samples else None,
         )
         self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
         report.write(data, self.folder)

@@ -1,0 +1,72 @@
+"""The load-test report on recorded inputs: GPU rows and flagged episodes, missing statistics, cache-hit warning."""
+
+from __future__ import annotations
+
+from triton_embed.monitor import Episode, GpuSample
+from triton_embed.server_stats import StepStats
+
+from loadtest import report
+from loadtest.gate import Sample, SlaSpec, evaluate
+from loadtest.stages import breakdown
+
+RUN = {
+    "started": "2026-11-30 00:00:00 UTC",
+    "started_s": 100.0,
+    "target": "127.0.0.1",
+    "users": 4,
+    "spawn_rate": 4,
+    "warmup_s": 1.0,
+    "user_classes": ["GrpcUser"],
+    "corpus": "test",
+}
+
+
+def gpu(t, util):
+    return GpuSample(t, 0, "NVIDIA H200", "GPU-0", util, 10.0, 2**30, 2**37, 1980.0, 300.0, 40.0, ((1, 2**29),))
+
+
+def make(steps, gpu_rows=None):
+    samples = [Sample(101.0 + i * 0.01, 20.0, "embed x1", "grpc", False) for i in range(200)]
+    gate = evaluate(samples, 101.0, 103.0, SlaSpec())
+    stages = breakdown(steps, 20.0) if steps else []
+    return report.build(
+        run=RUN,
+        gate=gate,
+        samples=samples,
+        window_s=(101.0, 103.0),
+        steps_run=steps,
+        steps_window=steps,
+        stages=stages,
+        gpu=gpu_rows,
+    )
+
+
+def step(model, requests, cache_hits=0):
+    return StepStats(model, requests, 0, 15.0, requests, requests, 1.0, 0.0, 10.0, 0.0, cache_hits)
+
+
+def test_gpu_rows_and_episodes_reach_the_markdown(tmp_path):
+    samples = [gpu(100.0 + i, u) for i, u in enumerate([5.0, 97.0, 98.0, 99.0])]
+    rows = report.gpu_summary(samples, [Episode("saturated", 0, 101.0, 103.0, 3), Episode("saturated", 1, 0, 1, 2)])
+    assert rows[0]["gpu_util_mean_pct"] == 74.75 and rows[0]["gpu_util_max_pct"] == 99.0
+    assert rows[0]["episodes"] == [{"kind": "saturated", "start_s": 101.0, "duration_s": 2.0}]  # GPU 1's is not ours
+    steps = {"embed": step("embed", 200), "tokenizer": step("tokenizer", 200), "encoder": step("encoder", 200)}
+    report.write(make(steps, rows), tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "| 0 | NVIDIA H200 | 4 | 75 | 99 | 1024 | 300 |" in text
+    assert "- GPU 0: **saturated** for 2.0 s" in text
+
+
+def test_cache_hits_are_called_out():
+    steps = {"embed": step("embed", 200, 50), "tokenizer": step("tokenizer", 150), "encoder": step("encoder", 150)}
+    text = report._markdown(make(steps))
+    assert "50 of 200 requests (25%) were answered from the response cache" in text
+    assert "No GPU samples" in text
+
+
+def test_a_report_without_triton_statistics_still_has_the_verdict(tmp_path):
+    data = make({})
+    assert data["count_check"]["triton_requests"] is None and data["culprit"] is None
+    report.write(data, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert text.count("SLA PASS") == 1 and "could not be read at the end of the run" in text
