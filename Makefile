@@ -24,7 +24,7 @@ CAPACITY_USERS ?= 1,2,4,8,16,32
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model serve test lint bench clean loadtest loadtest-ui capacity
+.PHONY: install model serve test lint bench clean loadtest loadtest-ui capacity system-deps
 
 install: $(STAMP)
 
@@ -44,8 +44,28 @@ serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT)
 
-test: model
+test: model system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Tools the deployment tests run (tests/test_deploy.py): Debian's docker-compose 1.29 (validates docker-compose.yml
+# offline) and prometheus 2.42 (promtool and the server, which the tests start themselves on a loopback port).
+# Installed only when missing. The package's service is not started: policy-rc.d denies it during the install
+# (a temporary one when the machine has none), and on a systemd host it is disabled again.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+system-deps:
+	@if ! command -v docker-compose >/dev/null || ! command -v promtool >/dev/null \
+			|| ! command -v prometheus >/dev/null; then \
+		set -e; own_policy=; \
+		if [ ! -e /usr/sbin/policy-rc.d ]; then \
+			printf '#!/bin/sh\nexit 101\n' | $(SUDO) tee /usr/sbin/policy-rc.d >/dev/null; \
+			$(SUDO) chmod 755 /usr/sbin/policy-rc.d; own_policy=1; \
+		fi; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			docker-compose prometheus; \
+		if [ -n "$$own_policy" ]; then $(SUDO) rm -f /usr/sbin/policy-rc.d; fi; \
+		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus || true; fi; \
+	fi
 
 lint: install
 	$(PY) -m ruff check .

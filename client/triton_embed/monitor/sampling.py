@@ -246,7 +246,7 @@ class GpuMonitor:
         except Exception:  # a GPU fell off the bus or the driver went away: skip this tick, keep going
             self.errors["nvml"] += 1
             samples = []
-        queue = self._read_queue()
+        queue = self.read_queue()
         with self._lock:
             self._samples.extend(samples)
             if queue is not None:
@@ -258,7 +258,13 @@ class GpuMonitor:
                 self.errors["callback"] += 1
         return samples
 
-    def _read_queue(self) -> QueueSample | None:
+    def read_queue(self) -> QueueSample | None:
+        """Read Triton's pending requests now (not recorded; works without a GPU).
+
+        Returns:
+            The reading, or None without ``triton_metrics_url``, when Triton cannot be reached, or when its scrape
+            has no ``nv_inference_pending_request_count`` for ``queue_model`` (both counted in ``errors["triton"]``).
+        """
         if not self.triton_metrics_url:
             return None
         try:
