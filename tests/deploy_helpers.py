@@ -1,0 +1,210 @@
+"""Shared by the deployment tests (test_deploy.py: files and tools; test_deploy_runtime.py: real servers).
+
+Paths of the deployment files, docker-compose resolution, the compose `triton` command line started on the CPU
+build of Triton, and the metric names a PromQL expression reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+MONITORING = ROOT / "monitoring"
+DASHBOARD = MONITORING / "grafana" / "dashboards" / "triton-embed.json"
+PROMETHEUS_YML = MONITORING / "prometheus" / "prometheus.yml"
+ALERTS_YML = MONITORING / "prometheus" / "alerts.yml"
+# NGC release of each Triton server version we run (https://docs.nvidia.com support matrix): 2.51.0 = 24.10
+NGC_RELEASE = {"2.51.0": "24.10"}
+SETTINGS = ("ENCODER_CONFIG", "TRITON_BIND", "TRITON_EMBED_ADMIN_KEY", "GRAFANA_ADMIN_PASSWORD")
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} not found: `make system-deps` installs it (Debian packages docker-compose, prometheus)"
+    return path
+
+
+def compose(*args: str, profile: bool = False, **settings: str) -> subprocess.CompletedProcess:
+    """Run docker-compose on our file with only the given settings in the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS} | settings
+    cmd = [tool("docker-compose"), "-f", str(COMPOSE), *(["--profile", "monitoring"] if profile else []), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=120)
+
+
+def resolved(**settings: str) -> dict:
+    """The compose file as docker-compose resolves it (variables substituted, defaults filled in)."""
+    done = compose("config", **settings)
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        current += line[:-1] + " " if line.endswith("\\") else line
+        if not line.endswith("\\"):
+            lines.append(current)
+            current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def lock_pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonical(name)] = version
+    return pins
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase", "delta", "by", "without", "on",
+                "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset", "abs", "clamp_min",
+                "clamp_max", "histogram_quantile", "topk", "bottomk", "vector", "scalar", "time", "absent"}  # fmt: skip
+
+
+def metric_names_in(expr: str) -> set[str]:
+    """Metric names a PromQL expression reads (strings, label matchers, ranges and grouping labels removed)."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    return {name for name in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", e) if name not in PROMQL_WORDS}
+
+
+def dashboard_targets() -> list[tuple[str, dict]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t) for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+class ComposeServer:
+    """tritonserver started as the compose `triton` service starts it, on free loopback ports."""
+
+    def __init__(self, models: Path, log: Path, admin_key: str) -> None:
+        from triton_embed_server.embedded import free_port
+
+        self.models, self.log, self.admin_key = models, log, admin_key
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def metadata(self) -> dict:
+        with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=10) as response:  # noqa: S310 - loopback
+            return json.loads(response.read())
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:]) if self.log.is_file() else ""
+
+
+def entrypoint_env(**extra: str) -> dict[str, str]:
+    from triton_embed_server.layout import find_layout, server_environment
+
+    env = {k: v for k, v in server_environment(find_layout()).items() if k != "TRITON_EMBED_ADMIN_KEY"}
+    return env | extra
+
+
+@contextlib.contextmanager
+def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
+    """Sync the model repository as the model-export service does, start tritonserver with the compose command line.
+
+    The command line is docker-compose's resolution of the `triton` service's ``command`` with ENCODER_CONFIG=cpu,
+    run through docker/triton-entrypoint.sh with the CPU build of the same Triton; only the model repository path,
+    the backend and cache folders (the image's defaults) and loopback ports differ.
+    """
+    from triton_embed_server.embedded import _spawn_args
+    from triton_embed_server.layout import DEFAULT_BUILD_DIR, assemble_backends, find_layout
+
+    # what the export stage of the image holds: the artifacts only (here: those `make model` wrote)
+    artifacts = tmp / "artifacts"
+    for rel in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
+        (artifacts / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "model_repository" / rel, artifacts / rel)
+    models = tmp / "models"
+    models.mkdir()
+    (models / "left-over.pbtxt").write_text("from an older image")
+    sync = subprocess.run(
+        ["bash", "docker/sync-model-repository.sh", str(ROOT / "model_repository"), str(artifacts), str(models)],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert sync.returncode == 0, sync.stderr
+    # ENCODER_CONFIG=cpu: there is no configs/cpu.pbtxt, so Triton falls back to each model's config.pbtxt (the
+    # CPU configs); gpu and libtorch need a GPU / the libtorch backend, which the CPU build lacks.
+    assert not (ROOT / "model_repository" / "encoder" / "configs" / "cpu.pbtxt").exists()
+    command = resolved(ENCODER_CONFIG="cpu")["services"]["triton"]["command"]
+    layout = find_layout()
+    server = ComposeServer(models, tmp / "tritonserver.log", admin_key="compose-test-key")
+    args = [f"--model-repository={models}" if a == "--model-repository=/models" else a for a in command]
+    # what differs from the container: the image's default backend and cache folders, and loopback ports
+    args += [
+        f"--backend-directory={assemble_backends(layout, DEFAULT_BUILD_DIR)}",
+        f"--cache-directory={layout.cache_dir}",
+        *(f"--{kind}-address=127.0.0.1" for kind in ("http", "grpc", "metrics")),
+        f"--http-port={server.http_port}",
+        f"--grpc-port={server.grpc_port}",
+        f"--metrics-port={server.metrics_port}",
+    ]
+    env = entrypoint_env(TRITONSERVER=str(layout.binary), TRITON_EMBED_ADMIN_KEY=server.admin_key)
+    argv, preexec = _spawn_args(["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args])
+    with open(server.log, "ab") as log:
+        server.process = subprocess.Popen(  # noqa: S603 - our script, our arguments
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=preexec,  # noqa: PLW1509
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not _ready(server):
+            assert server.process.poll() is None, f"tritonserver exited:\n{server.log_tail()}"
+            assert time.monotonic() < deadline, f"not ready after 240 s:\n{server.log_tail()}"
+            time.sleep(0.25)
+        yield server
+    finally:
+        server.process.send_signal(2)  # SIGINT, as the embedded server stops it
+        try:
+            server.process.wait(timeout=45)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+def _ready(server: ComposeServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as r:  # noqa: S310
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False

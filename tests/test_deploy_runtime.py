@@ -1,0 +1,254 @@
+"""GPU deployment (issue 6) on real servers: the compose `triton` command line and the monitoring stack.
+
+* tritonserver started with docker-compose.yml's `triton` command line through docker/triton-entrypoint.sh, on
+  the model repository docker/sync-model-repository.sh assembles, with the CPU build of the same Triton (2.51.0):
+  it serves, its healthcheck passes, its admin APIs are locked, it is the release the image is built from.
+* A real Prometheus (Debian's 2.42) with monitoring/prometheus/prometheus.yml scrapes that server and the GPU
+  monitor's exporter (fed with recorded samples: no GPU here), evaluates the alert rules and every query of the
+  Grafana dashboard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+import yaml
+from deploy_helpers import (
+    ALERTS_YML,
+    NGC_RELEASE,
+    PROMETHEUS_YML,
+    ROOT,
+    compose_server_running,
+    dashboard_targets,
+    dockerfile_instructions,
+    metric_names_in,
+    resolved,
+    tool,
+)
+
+
+@pytest.fixture(scope="module")
+def compose_server(tmp_path_factory):
+    with compose_server_running(tmp_path_factory.mktemp("compose")) as server:
+        yield server
+
+
+def post_status(url: str, headers: dict | None = None) -> int:
+    request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - our loopback server
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_compose_command_serves_embeddings_with_the_admin_apis_locked(compose_server):
+    import numpy as np
+    from triton_embed import EmbeddingClient
+
+    with EmbeddingClient(url=compose_server.grpc_url, protocol="grpc") as client:
+        vectors = client.embed(["A man is playing a guitar.", "Someone plays music."])
+    assert vectors.shape == (2, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    index = f"http://{compose_server.http_url}/v2/repository/index"
+    assert post_status(index) == 403
+    assert post_status(index, {"triton-embed-admin-key": "wrong"}) == 403
+    assert post_status(index, {"triton-embed-admin-key": compose_server.admin_key}) == 200
+    # the synced repository: configs from the host, artifacts from the image, nothing left from before
+    files = sorted(str(p.relative_to(compose_server.models)) for p in compose_server.models.rglob("*") if p.is_file())
+    assert "left-over.pbtxt" not in files and "encoder/1/model.pt" in files and "embed/config.pbtxt" in files
+    assert (compose_server.models / "embed" / "1").is_dir() and ".gitkeep" not in " ".join(files)
+
+
+def test_healthcheck_passes_on_a_ready_server_and_fails_without_one(compose_server):
+    from triton_embed_server.embedded import free_port
+
+    kind, interpreter, *args = resolved()["services"]["triton"]["healthcheck"]["test"]
+    assert (kind, interpreter) == ("CMD", "python3")
+
+    def run(port: int) -> int:
+        here = [a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in args]
+        return subprocess.run([sys.executable, *here], capture_output=True, check=False, timeout=30).returncode
+
+    assert run(compose_server.http_port) == 0
+    assert run(free_port()) != 0
+
+
+def test_image_versions_match_the_embedded_server_and_the_lock(compose_server):
+    args = dict(a.split("=", 1) for i, a in dockerfile_instructions() if i == "ARG" and "=" in a)
+    version = compose_server.metadata()["version"]
+    assert args["TRITON_IMAGE"] == f"nvcr.io/nvidia/tritonserver:{NGC_RELEASE[version]}-py3"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == ">=3.11,<3.12" and args["PYTHON_IMAGE"].startswith("python:3.11-")
+
+
+def recorded_gpu_sample(timestamp: float, gpu: int, util: float):
+    from triton_embed.monitor import GpuSample
+
+    return GpuSample(timestamp, gpu, "NVIDIA H200", f"GPU-{gpu}", util, util / 3, 9 << 30, 141 << 30, 1980.0, 250.0,
+                     40.0, ((1234, 8 << 30),))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def monitor_exporter():
+    """The monitor's real exporter fed with recorded samples (this machine has no GPU): GPU 1 saturated."""
+    from triton_embed.monitor import FlagThresholds, QueueSample
+    from triton_embed.monitor.exporter import MonitorExporter
+
+    exporter = MonitorExporter(FlagThresholds(idle_window_s=2.0, saturation_window_s=2.0))
+    start = time.time() - 5
+    for i in range(5):
+        samples = [recorded_gpu_sample(start + i, 0, 3.0), recorded_gpu_sample(start + i, 1, 99.0)]
+        exporter.observe(samples, QueueSample(start + i - 0.1, 4))
+    server, _ = exporter.serve("127.0.0.1", 0)
+    yield exporter, server.server_port
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory, compose_server, monitor_exporter):
+    """Debian's prometheus with monitoring/prometheus/prometheus.yml, pointed at loopback targets, scraping each 1 s."""
+    from triton_embed_server.embedded import _spawn_args, free_port
+
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    assert config["rule_files"] == ["alerts.yml"] and (PROMETHEUS_YML.parent / "alerts.yml").is_file()
+    config["rule_files"] = [str(ALERTS_YML)]
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    targets = {"triton": f"127.0.0.1:{compose_server.metrics_port}", "gpu-monitor": f"127.0.0.1:{monitor_exporter[1]}"}
+    for job in config["scrape_configs"]:
+        job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    argv, preexec = _spawn_args(
+        [
+            tool("prometheus"),
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+    )
+    log = tmp / "prometheus.log"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: S603, PLW1509
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, f"prometheus exited:\n{log.read_text()[-3000:]}"
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{base}/-/ready", timeout=2) as response:  # noqa: S310
+                if response.status == 200:
+                    break
+            assert time.monotonic() < deadline, f"prometheus not ready:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def prom_api(base: str, path: str, **params: str) -> dict:
+    url = f"{base}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+    assert body["status"] == "success", f"{params}: {body}"
+    return body["data"]
+
+
+def wait_for(check, timeout_s: float = 30.0, what: str = ""):
+    """Poll ``check()`` until it returns a truthy value; return it."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return result
+
+
+def test_prometheus_scrapes_triton_and_the_monitor(prometheus):
+    def both_up():
+        up = {r["metric"]["job"]: r["value"][1] for r in prom_api(prometheus, "query", query="up")["result"]}
+        return up if up == {"triton": "1", "gpu-monitor": "1"} else None
+
+    wait_for(both_up, what="up == 1 for the triton and gpu-monitor jobs")
+    # what was scraped is Triton's: the ensemble's counters carry the job label of the triton scrape
+    series = prom_api(prometheus, "query", query='nv_inference_request_success{model="embed"}')["result"]
+    assert series and series[0]["metric"]["job"] == "triton"
+
+
+def test_alert_rules_load_and_evaluate_without_errors(prometheus):
+    def evaluated():
+        groups = prom_api(prometheus, "rules")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return rules if rules and all(not r["lastEvaluation"].startswith("0001") for r in rules) else None
+
+    rules = wait_for(evaluated, what="a first evaluation of every rule")
+    # the recorded GPU 1 is saturated: its alert turns pending (it would fire after `for: 2m`)
+    saturated = wait_for(
+        lambda: [
+            a["labels"]["gpu"]
+            for g in prom_api(prometheus, "rules")["groups"]
+            for r in g["rules"]
+            if r["name"] == "TritonEmbedGpuSaturated"
+            for a in r["alerts"]
+        ],
+        what="the saturation alert of the recorded GPU",
+    )
+    assert saturated == ["1"]
+    assert {r["name"] for r in rules} == {
+        "TritonEmbedGpuIdleWithQueue",
+        "TritonEmbedGpuSaturated",
+        "TritonEmbedP99OverSla",
+        "TritonEmbedDown",
+        "TritonEmbedGpuMonitorDown",
+    }
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+
+def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
+    prometheus, compose_server, monitor_exporter
+):
+    """Names: a real scrape of the compose-command server plus the monitor's exporter. Data: Prometheus answers."""
+    import secrets
+
+    from triton_embed import EmbeddingClient
+    from triton_embed.monitor.exporter import metric_names
+
+    with EmbeddingClient(url=compose_server.grpc_url, protocol="grpc") as client:
+        for i in range(3):  # traffic in two bursts a few scrapes apart, so rate() has an increase to show
+            client.embed([f"sentence {secrets.token_hex(4)} number {i}" for _ in range(3)])
+            client.embed(["the same text twice hits the response cache"])
+            time.sleep(1.5)
+    with urllib.request.urlopen(compose_server.metrics_url, timeout=10) as response:  # noqa: S310 - loopback
+        text = response.read().decode()
+    # sample names exactly as Prometheus stores them (a client-side parser would add _total to Triton's counters)
+    scraped = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and line[0] != "#"}
+    known = scraped | metric_names(monitor_exporter[0].registry) | {"ALERTS", "up"}  # the last two: Prometheus' own
+    alert_exprs = [r["expr"] for g in yaml.safe_load(ALERTS_YML.read_text())["groups"] for r in g["rules"]]
+    for expr in [t["expr"] for _, t in dashboard_targets()] + alert_exprs:
+        assert metric_names_in(expr) <= known, f"{expr} reads {metric_names_in(expr) - known}, which nobody exports"
+
+    for title, target in dashboard_targets():
+        expr = target["expr"].replace("$__rate_interval", "1m")
+
+        def answered(expr=expr):
+            result = prom_api(prometheus, "query", query=expr)["result"]
+            return result or expr.startswith("ALERTS")  # no alert firing is a fine answer
+
+        wait_for(answered, timeout_s=20, what=f"data for panel {title!r}: {expr}")
