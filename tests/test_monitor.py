@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-from triton_embed import EmbeddingClient
+from triton_embed import EmbeddingClient, ServerUnavailableError
 from triton_embed.monitor import GpuMonitor, pending_requests
 
 SCRIPT = Path(sys.executable).parent / "triton-embed-monitor"
@@ -62,9 +63,11 @@ def test_queue_reading_sees_requests_wait_under_a_burst(server):
     seen = []
 
     def client_loop(k: int) -> None:
-        with EmbeddingClient(url=server.grpc_url, protocol="grpc") as client:
+        with EmbeddingClient(url=server.grpc_url, protocol="grpc", retries=0) as client:
             for i in range(8):
-                client.embed([f"burst {k} {i} " + "word " * (8 * (i % 5 + 1)) + str(id(seen))])
+                # a request the server sheds under the burst (overloaded) is fine here: only the queue matters
+                with contextlib.suppress(ServerUnavailableError):
+                    client.embed([f"burst {k} {i} " + "word " * (8 * (i % 5 + 1)) + str(id(seen))])
 
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(24)]
     for t in threads:
