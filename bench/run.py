@@ -114,10 +114,23 @@ def naive_system(texts: list[str], levels: list[int], duration: float, sla: floa
         proc.wait(timeout=30)
 
 
-def variant_repository(dst: Path, fixed_length: int | None) -> Path:
+def variant_repository(
+    dst: Path,
+    fixed_length: int | None,
+    *,
+    encoder_delay_us: int | None = None,
+    latency_budget_ms: float | None = None,
+) -> Path:
     """Copy the model repository to ``dst`` (artifacts symlinked) with the response cache off.
 
-    With ``fixed_length``, the encoder gets a single bucket of that many tokens: every batch is padded to it.
+    Args:
+        dst: the new repository folder (must not exist).
+        fixed_length: when set, the encoder gets a single bucket of that many tokens: every batch is padded to it.
+        encoder_delay_us: when set, the encoder's ``max_queue_delay_microseconds`` (shipped: 0).
+        latency_budget_ms: when set, the encoder's ``LATENCY_BUDGET_MS`` (0 turns load shedding off).
+
+    Raises:
+        ValueError: the shipped encoder config no longer holds a value this function rewrites.
     """
     src = ROOT / "model_repository"
     shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "export.json"))
@@ -125,11 +138,23 @@ def variant_repository(dst: Path, fixed_length: int | None) -> Path:
         (dst / name).symlink_to(src / name)
     embed = dst / "embed" / "config.pbtxt"
     embed.write_text(embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }"))
+    encoder = dst / "encoder" / "config.pbtxt"
+    text = encoder.read_text()
     if fixed_length is not None:
-        encoder = dst / "encoder" / "config.pbtxt"
-        text = re.sub(r"graph_spec \[.*?\n    \]", "", encoder.read_text(), flags=re.S)
+        text = re.sub(r"graph_spec \[.*?\n    \]", "", text, flags=re.S)
         spec = f'graph_spec [ {{ batch_size: 64 input {{ key: "input_ids" value: {{ dim: [ {fixed_length} ] }} }} }} ]'
-        encoder.write_text(text.replace("graphs: false", f"graphs: false\n    {spec}"))
+        text = text.replace("graphs: false", f"graphs: false\n    {spec}")
+    if encoder_delay_us is not None:
+        delay = f"max_queue_delay_microseconds: {encoder_delay_us}"
+        text, n = re.subn(r"max_queue_delay_microseconds: \d+", delay, text)
+        if n != 1:
+            raise ValueError(f"{encoder}: expected one max_queue_delay_microseconds, found {n}")
+    if latency_budget_ms is not None:
+        pattern = r'(key: "LATENCY_BUDGET_MS"\s*value: \{ string_value: )"[^"]*"'
+        text, n = re.subn(pattern, rf'\1"{latency_budget_ms:g}"', text)
+        if n != 1:
+            raise ValueError(f"{encoder}: expected one LATENCY_BUDGET_MS parameter, found {n}")
+    encoder.write_text(text)
     return dst
 
 

@@ -88,13 +88,10 @@ def test_encoder_step_keeps_order_under_16_threads(server, reference):
 
 @pytest.fixture(scope="module")
 def windowed_server(tmp_path_factory):
-    """The shipped repository with a 200 ms batching window on the encoder (shipped: 0) and a queue timeout
-    longer than it, so concurrent requests deterministically meet in the queue."""
+    """The shipped repository with a 200 ms batching window on the encoder (shipped: 0), so concurrent requests
+    deterministically meet in the queue, and load shedding off (the window alone would exceed its budget)."""
     tmp = tmp_path_factory.mktemp("windowed")
-    repo = variant_repository(tmp / "repo", fixed_length=None)
-    encoder = repo / "encoder" / "config.pbtxt"
-    text = encoder.read_text().replace("max_queue_delay_microseconds: 0", "max_queue_delay_microseconds: 200000")
-    encoder.write_text(text.replace("default_timeout_microseconds: 2000000", "default_timeout_microseconds: 10000000"))
+    repo = variant_repository(tmp / "repo", fixed_length=None, encoder_delay_us=200_000, latency_budget_ms=0)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 

@@ -46,6 +46,7 @@ def test_set_config_dims_rewrites_every_embedding_width(tmp_path):
     names = sorted(str(p.relative_to(repo)) for p in changed)
     assert names == [
         "embed/config.pbtxt",
+        "embed/configs/libtorch.pbtxt",
         "encoder/config.pbtxt",
         "encoder/configs/gpu.pbtxt",
         "encoder/configs/libtorch.pbtxt",

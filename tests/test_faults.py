@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -21,10 +22,11 @@ from triton_embed_server.supervisor import stub_processes
 from tritonclient.utils import InferenceServerException
 
 SLA_MS = 200.0
-ACCEPTED_P99_BOUND_MS = 1500.0
-"""Bound on the answered requests' p99 in a 4x overload burst. The SLA (200 ms) is NOT met there: the encoder
-has no queue policy (Triton 2.51 stalls with one), so excess requests queue instead of being shed; README
-"What does not work yet" says so."""
+ACCEPTED_P99_BOUND_MS = 500.0
+"""Bound on the answered requests' p99 (client side) in a 4x overload burst. Measured on 2 cores, where this test's
+192 clients share the cores with the server: 262-310 ms with the encoder's load shedding (LATENCY_BUDGET_MS 120),
+680-730 ms without it. So the bound fails when shedding is off, but the SLA itself (200 ms) is not reliably met
+here; README "What does not work yet" says so."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
     capped at 2 s), as the library's retries do.
     """
     client = grpcaio.InferenceServerClient(url)
-    results: list[tuple] = []
+    results: list[tuple] = []  # (outcome, latency ms, error message or "")
     stop_at = time.monotonic() + seconds
 
     async def loop(i: int) -> None:
@@ -53,14 +55,14 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
             start = time.perf_counter()
             try:
                 await asyncio.wait_for(client.infer("embed", [tensor], client_timeout=timeout_s), timeout_s + 5)
-                results.append(("ok", (time.perf_counter() - start) * 1000))
+                results.append(("ok", (time.perf_counter() - start) * 1000, ""))
                 shed_in_a_row = 0
             except InferenceServerException as exc:
-                results.append((str(exc.status()), (time.perf_counter() - start) * 1000))
+                results.append((str(exc.status()), (time.perf_counter() - start) * 1000, exc.message()))
                 await asyncio.sleep(backoff(shed_in_a_row, 0.1))  # a shed client backs off as triton_embed does
                 shed_in_a_row += 1
             except TimeoutError:
-                results.append(("hung", (time.perf_counter() - start) * 1000))
+                results.append(("hung", (time.perf_counter() - start) * 1000, ""))
 
     try:
         await asyncio.gather(*(loop(i) for i in range(clients)))
@@ -69,20 +71,23 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
     return results
 
 
-def test_burst_above_capacity_gets_answers_within_bounds(fault_server, sts_dev):
+def test_burst_above_capacity_is_shed_and_answered_within_bounds(fault_server, sts_dev):
     texts = [f"{p.a} {i}" for i, p in enumerate(sts_dev)]  # unique: no response-cache hits
     results = asyncio.run(burst(fault_server.grpc_url, texts, clients=192, seconds=10.0, timeout_s=10.0))
     outcomes = {}
-    for outcome, _ in results:
+    for outcome, _, _ in results:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    ok = np.array([ms for outcome, ms in results if outcome == "ok"])
-    shed = np.array([ms for outcome, ms in results if outcome == "StatusCode.UNAVAILABLE"])
+    ok = np.array([ms for outcome, ms, _ in results if outcome == "ok"])
+    shed = [(ms, message) for outcome, ms, message in results if outcome == "StatusCode.UNAVAILABLE"]
     assert set(outcomes) <= {"ok", "StatusCode.UNAVAILABLE"}, outcomes  # nothing hung, nothing else failed
-    assert len(ok) > 500, outcomes  # it kept serving at capacity
+    assert len(ok) > 500, outcomes  # it kept serving
+    assert len(shed) > 100, outcomes  # 4x the SLA point: the encoder sheds what cannot finish in time
+    assert all("LATENCY_BUDGET_MS" in message for _, message in shed), shed[:3]
     p99 = float(np.percentile(ok, 99))
     assert p99 < ACCEPTED_P99_BOUND_MS, f"p99 of accepted requests {p99:.0f} ms; outcomes {outcomes}"
-    if len(shed):  # the tokenizer's queue bound (512) sheds only far above this burst
-        assert float(np.percentile(shed, 50)) < SLA_MS  # rejections come back at once, not after queueing
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{fault_server.config.metrics_port}/metrics").read().decode()
+    counted = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("triton_embed_shed_"))
+    assert counted == len(shed)
     with EmbeddingClient(url=fault_server.grpc_url) as client:
         assert client.embed(["served normally after the burst"]).shape == (1, 384)
 

@@ -114,7 +114,8 @@ def test_impossible_sla_fails_and_http_users_keep_up_with_grpc(server, grpc_run,
 
 @pytest.fixture(scope="module")
 def slow_encoder_server(tmp_path_factory):
-    """A second server whose encoder waits 400 ms for a batch (a misconfigured dynamic batcher)."""
+    """A second server whose encoder waits 400 ms for a batch (a misconfigured dynamic batcher); no shedding, which
+    would turn the slow requests into failures."""
     from triton_embed_server.embedded import EmbeddedServer
 
     from bench.run import variant_repository

@@ -6,7 +6,10 @@ the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds 
 
 Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call, and split back per request.
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
-that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. A bad request (missing
+that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. ``arrival_ns``, int64
+``[n_texts, 1]``, is ``time.monotonic_ns()`` when this execute began (one clock for every process on the host):
+the encoder sheds requests that can no longer finish in time (``LATENCY_BUDGET_MS``, encoder config).
+A bad request (missing
 input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a text over
 max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 # The 2.51 Python backend stub starts its interpreter without reading PYTHONPATH; the embedded server passes its
@@ -38,6 +42,7 @@ from tokenizers import Tokenizer
 
 INPUT = "TEXT"
 OUTPUTS = ("input_ids", "attention_mask")
+ARRIVAL = "arrival_ns"
 
 
 class RequestError(ValueError):
@@ -124,6 +129,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         """Tokenise all requests' texts in one call; one response per request, in order."""
+        arrival_ns = time.monotonic_ns()
         texts_per_request: list[list[str] | None] = []
         errors: dict[int, str] = {}
         for i, request in enumerate(requests):
@@ -156,9 +162,8 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
             ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask)]
-                )
-            )
+            arrival = np.full((len(encs), 1), arrival_ns, dtype=np.int64)
+            tensors = [pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask)]
+            tensors.append(pb_utils.Tensor(ARRIVAL, arrival))
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses

@@ -9,6 +9,11 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 :class:`runners.BucketedRunner` (padded up to a length bucket; CUDA graph replay per bucket on a GPU instance),
 and the rows are split back per request.
 
+Load shedding (``shedding.py``): the tokenizer stamps each request with ``arrival_ns`` (``time.monotonic_ns()``, one
+clock for all processes on the host). Requests whose wait since then plus the estimated execution time exceeds
+``LATENCY_BUDGET_MS`` (config parameter; 0 = off) are answered UNAVAILABLE at once, oldest first, instead of being
+computed late; counted in ``triton_embed_shed_requests_total``.
+
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
 endpoint: ``triton_embed_bucket_executions_total{model, bucket, path}``, ``triton_embed_real_tokens_total`` and
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 # The 2.51 Python backend stub starts its interpreter without reading PYTHONPATH; the embedded server passes its
@@ -34,8 +40,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from runners import BucketedRunner
+from shedding import CostModel, choose_shed
 
 INPUTS = ("input_ids", "attention_mask")
+ARRIVAL = "arrival_ns"
 OUTPUT = "embedding__0"
 
 
@@ -70,6 +78,15 @@ def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndar
     if not np.isin(mask, (0, 1)).all():
         raise RequestError(f"'{INPUTS[1]}' must hold only 0 and 1")
     return ids, mask
+
+
+def waited_ms(request, now_ns: int) -> float | None:
+    """Milliseconds since the request's ``arrival_ns`` stamp (first row), or None when it carries none."""
+    tensor = pb_utils.get_input_tensor_by_name(request, ARRIVAL)
+    if tensor is None:
+        return None
+    stamps = tensor.as_numpy().reshape(-1)
+    return (now_ns - int(stamps[0])) / 1e6 if stamps.size else None
 
 
 def last_real_column(mask: np.ndarray) -> int:
@@ -119,6 +136,11 @@ class TritonPythonModel:
 
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         threads = int(params.get("TORCH_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
+        self.latency_budget_ms = float(params.get("LATENCY_BUDGET_MS", "0"))
+        if self.latency_budget_ms < 0:
+            raise pb_utils.TritonModelException(
+                f"parameter LATENCY_BUDGET_MS must be >= 0 (0 = no shedding); got {self.latency_budget_ms:g}"
+            )
         torch.set_num_threads(threads)
 
         if args.get("model_instance_kind") == "GPU":
@@ -141,6 +163,7 @@ class TritonPythonModel:
             ),
         )
         self.runner.warmup()
+        self.cost = self._calibrated_cost()
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -150,26 +173,43 @@ class TritonPythonModel:
                 "re-run `make model`, which sets the configs' dims"
             )
 
+    def _calibrated_cost(self) -> CostModel:
+        """The shedding cost model's first estimate: one warm 1 x 8 execution (fixed part), one 32 x 32 (per token)."""
+
+        def took_ms(rows: int, width: int) -> float:
+            ids = np.full((rows, width), 100, dtype=np.int64)
+            start = time.perf_counter()
+            self.runner(ids, np.ones_like(ids))
+            return (time.perf_counter() - start) * 1000
+
+        fixed = took_ms(1, 8)
+        return CostModel(ms_per_token=max(0.0, took_ms(32, 32) - fixed) / (32 * 32), fixed_ms=fixed)
+
     def finalize(self) -> None:
         """Release the metric objects before their families (the order Triton's Python backend requires)."""
         self._metrics.close()
 
     def execute(self, requests: list) -> list:
-        """Validate each request, run all valid ones as one padded batch, return one response per request."""
+        """Validate each request, shed late ones, run the rest as one padded batch; one response per request."""
+        now_ns = time.monotonic_ns()
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
-        errors: dict[int, str] = {}
+        errors: dict[int, pb_utils.TritonError] = {}
         for i, request in enumerate(requests):
             try:
                 pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
             except RequestError as exc:
-                errors[i] = str(exc)
+                errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 pieces.append(None)
+        if self.latency_budget_ms:
+            self._shed_late(requests, pieces, errors, now_ns)
 
         valid = [p for p in pieces if p is not None]
         embeddings = None
         if valid:
             ids, mask = merge_ragged(valid)
+            start = time.perf_counter()
             embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
+            self.cost.observe((time.perf_counter() - start) * 1000, *ids.shape)
             if embeddings.shape != (ids.shape[0], self.dim):
                 raise pb_utils.TritonModelException(
                     f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
@@ -180,14 +220,33 @@ class TritonPythonModel:
         start = 0
         for i, piece in enumerate(pieces):
             if piece is None:
-                error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=errors[i]))
                 continue
             n = piece[0].shape[0]
             out = np.ascontiguousarray(embeddings[start : start + n])
             start += n
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
         return responses
+
+    def _shed_late(self, requests: list, pieces: list, errors: dict, now_ns: int) -> None:
+        """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place)."""
+        live = [i for i, p in enumerate(pieces) if p is not None]
+        waited = [waited_ms(requests[i], now_ns) for i in live]
+        rows = [pieces[i][0].shape[0] for i in live]
+        widths = [last_real_column(pieces[i][1]) + 1 for i in live]
+        shed = choose_shed(waited, rows, widths, self.cost, self.latency_budget_ms)
+        for k in shed:
+            i = live[k]
+            estimate = self.cost.estimate_ms(sum(rows), max(widths))
+            errors[i] = pb_utils.TritonError(
+                f"overloaded: the request waited {waited[k]:.0f} ms before the encoder and its batch needs ~"
+                f"{estimate:.0f} ms, over the {self.latency_budget_ms:g} ms latency budget (LATENCY_BUDGET_MS, "
+                "sized to the SLA). Retry with backoff",
+                pb_utils.TritonError.UNAVAILABLE,
+            )
+            pieces[i] = None
+        if shed:
+            self._metrics.shed(len(shed))
 
 
 class _BucketMetrics:
@@ -211,6 +270,12 @@ class _BucketMetrics:
             description="Tokens the encoder computed including padding (padded batch x padded length)",
             kind=counter,
         )
+        self._shed = pb_utils.MetricFamily(
+            name="triton_embed_shed_requests_total",
+            description="Requests answered UNAVAILABLE because they could not finish within LATENCY_BUDGET_MS",
+            kind=counter,
+        )
+        self._shed_metric = self._shed.Metric(labels={"model": model})
         self._real_metric = self._real.Metric(labels={"model": model})
         self._padded_metric = self._padded.Metric(labels={"model": model})
         self._by_bucket: dict[tuple[str, str], object] = {}
@@ -225,8 +290,12 @@ class _BucketMetrics:
         self._real_metric.increment(real_tokens)
         self._padded_metric.increment(padded_tokens)
 
+    def shed(self, requests: int) -> None:
+        """Count requests shed by the queue budget."""
+        self._shed_metric.increment(requests)
+
     def close(self) -> None:
         """Drop metrics, then families."""
         self._by_bucket.clear()
-        self._real_metric = self._padded_metric = None
-        self._executions = self._real = self._padded = None
+        self._real_metric = self._padded_metric = self._shed_metric = None
+        self._executions = self._real = self._padded = self._shed = None

@@ -19,6 +19,30 @@ def test_config_parses(path):
     assert config.max_batch_size == 64
 
 
+def parse(relative: str) -> model_config_pb2.ModelConfig:
+    return text_format.Parse((REPO / relative).read_text(), model_config_pb2.ModelConfig())
+
+
+def test_libtorch_ensemble_is_the_default_one_without_the_arrival_hand_off():
+    default, libtorch = parse("embed/config.pbtxt"), parse("embed/configs/libtorch.pbtxt")
+    for step in default.ensemble_scheduling.step:
+        step.input_map.pop("arrival_ns", None)
+        step.output_map.pop("arrival_ns", None)
+    assert default == libtorch
+    inputs = {i.name for i in parse("encoder/configs/libtorch.pbtxt").input}
+    assert inputs == {"input_ids", "attention_mask"}
+
+
+def test_every_encoder_on_our_backend_takes_the_optional_arrival_stamp_and_a_latency_budget():
+    for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
+        config = parse(relative)
+        arrival = next(i for i in config.input if i.name == "arrival_ns")
+        assert arrival.optional and list(arrival.dims) == [1], relative
+        assert float(config.parameters["LATENCY_BUDGET_MS"].string_value) > 0, relative
+    tokenizer_outputs = {o.name for o in parse("tokenizer/config.pbtxt").output}
+    assert "arrival_ns" in tokenizer_outputs
+
+
 def test_tokenizer_bounds_its_queue_and_encoder_has_no_queue_policy():
     encoder = text_format.Parse((REPO / "encoder" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert not encoder.dynamic_batching.HasField("default_queue_policy")  # 500 ms stalls on 2.51, see the config
