@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 SLA_MS = 200.0
 ACCEPTED_P99_BOUND_MS = 500.0
 """Bound on the answered requests' p99 (client side) in a 4x overload burst. Measured on 2 cores, where this test's
-192 clients share the cores with the server: 262-310 ms with the encoder's load shedding (LATENCY_BUDGET_MS 120),
+192 clients share the cores with the server: 268-287 ms with the encoder's load shedding (LATENCY_BUDGET_MS 180),
 680-730 ms without it. So the bound fails when shedding is off, but the SLA itself (200 ms) is not reliably met
 here; README "What does not work yet" says so."""
 
