@@ -52,8 +52,9 @@ def test_a_zero_budget_disables_shedding():
 
 
 def test_the_widest_kept_request_sets_the_padded_width():
-    # The long request (200 tokens) makes the batch 16 x 200 = 320 ms; shedding it (oldest) leaves 8 x 10 = 8 ms.
-    assert choose_shed([80.0, 10.0], [8, 8], [200, 10], COST, budget_ms=150) == {0}
+    # One long text (200 tokens, 20 ms alone) pads the whole batch: 17 x 200 = 340 ms. Shedding it (the oldest)
+    # leaves 16 x 10 = 16 ms.
+    assert choose_shed([80.0, 10.0], [1, 16], [200, 10], COST, budget_ms=150) == {0}
 
 
 def test_cost_model_learns_the_fixed_part_from_small_executions_and_the_rest_from_large_ones():
