@@ -21,6 +21,7 @@ class Sample:
         response_ms: client-side latency, milliseconds.
         name: Locust's request name (``"embed x1"``); request_type: ``grpc`` or ``http``.
         failed: the call raised.
+        error: the exception's class and message when it failed (first 300 characters), else "".
     """
 
     start_s: float
@@ -28,6 +29,7 @@ class Sample:
     name: str
     request_type: str
     failed: bool
+    error: str = ""
 
 
 class Recorder:
@@ -39,7 +41,8 @@ class Recorder:
     def on_request(self, request_type: str, name: str, response_time: float, exception=None, **_) -> None:
         """Locust ``request`` listener: ``response_time`` in ms; ``exception`` set when the request failed."""
         start_s = time.time() - response_time / 1000.0
-        self.samples.append(Sample(start_s, response_time, name, request_type, exception is not None))
+        error = f"{type(exception).__name__}: {exception}"[:300] if exception is not None else ""
+        self.samples.append(Sample(start_s, response_time, name, request_type, exception is not None, error))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,17 @@ def by_name(samples: list[Sample]) -> list[dict]:
     return rows
 
 
+def errors(samples: list[Sample], top: int = 10) -> list[dict]:
+    """The ``top`` most frequent failures over the run: ``type``, ``name``, ``error`` (class: message), ``count``."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for x in samples:
+        if x.failed:
+            key = (x.request_type, x.name, x.error)
+            counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return [{"type": t, "name": n, "error": e, "count": c} for (t, n, e), c in ranked]
+
+
 def gpu_summary(samples, episodes=()) -> list[dict]:
     """Per GPU over the run: samples, mean/max utilisation (%), max memory used (bytes), mean power (W).
 
@@ -91,6 +102,7 @@ def build(
         "gate": gate.as_dict(),
         "window": {"start_s": window_s[0], "end_s": window_s[1]},
         "requests": by_name(window(samples, *window_s)),
+        "errors": errors(samples),
         "count_check": {
             "locust_requests": len(samples),
             "triton_requests": triton_requests,
@@ -128,6 +140,10 @@ def _markdown(report: dict) -> str:
         f"| {r['type']} | {r['name']} | {r['requests']} | {r['failures']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |"
         for r in report["requests"]
     ]
+    if report["errors"]:
+        lines += ["", "## Failures (whole run, most frequent first)", "", "| type | name | count | error |"]
+        lines += ["|---|---|---:|---|"]
+        lines += [f"| {e['type']} | {e['name']} | {e['count']} | {e['error']} |" for e in report["errors"]]
     lines += [
         "",
         "## Where the time went (mean per request, window)",

@@ -121,13 +121,7 @@ def slow_encoder_server(tmp_path_factory):
     from bench.run import variant_repository
 
     tmp = tmp_path_factory.mktemp("slow")
-    repo = variant_repository(tmp / "repo", None)
-    config = repo / "encoder" / "config.pbtxt"
-    text = config.read_text()
-    assert "max_queue_delay_microseconds: 0" in text
-    config.write_text(
-        text.replace("max_queue_delay_microseconds: 0", f"max_queue_delay_microseconds: {SLOW_QUEUE_DELAY_US}")
-    )
+    repo = variant_repository(tmp / "repo", None, encoder_delay_us=SLOW_QUEUE_DELAY_US, latency_budget_ms=0)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 

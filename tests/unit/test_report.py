@@ -57,6 +57,16 @@ def test_gpu_rows_and_episodes_reach_the_markdown(tmp_path):
     assert "- GPU 0: **saturated** for 2.0 s" in text
 
 
+def test_failures_are_listed_by_message(tmp_path):
+    steps = {"embed": step("embed", 200), "tokenizer": step("tokenizer", 200), "encoder": step("encoder", 200)}
+    data = make(steps)
+    bad = [Sample(101.0, 5.0, "embed x1", "grpc", True, "ServerUnavailableError: overloaded")] * 3
+    data["errors"] = report.errors(bad + [Sample(101.0, 5.0, "embed x8", "http", True, "EmbeddingTimeoutError: t")])
+    assert data["errors"][0] == {"type": "grpc", "name": "embed x1", "error": "ServerUnavailableError: overloaded",
+                                 "count": 3}  # fmt: skip
+    assert "| grpc | embed x1 | 3 | ServerUnavailableError: overloaded |" in report._markdown(data)
+
+
 def test_cache_hits_are_called_out():
     steps = {"embed": step("embed", 200, 50), "tokenizer": step("tokenizer", 150), "encoder": step("encoder", 150)}
     text = report._markdown(make(steps))
