@@ -124,8 +124,7 @@ class AsyncEmbeddingClient(ClientBase):
         pool, region = await self._acquire_region(texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
-            kwargs = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
-            call = self._call("infer", self.model, inputs, outputs=outputs, **kwargs)
+            call = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs())
             result = await asyncio.wait_for(call, timeout=self.settings.timeout_s + 1)
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array

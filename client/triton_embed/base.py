@@ -26,6 +26,7 @@ class ClientBase:
         coalesce: bool = False,
         max_concurrency: int = 4,
         headers: dict[str, str] | None = None,
+        latency_budget_ms: int | None = None,
     ) -> None:
         """Connect lazily: nothing is sent until the first call.
 
@@ -44,6 +45,9 @@ class ClientBase:
             coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
             max_concurrency: chunks of one long list sent at the same time.
             headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key).
+            latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long the server may take
+                before it sheds this request as overloaded (ms; 0 = never shed, for bulk jobs that prefer slow to
+                rejected). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
@@ -60,6 +64,7 @@ class ClientBase:
             coalesce=coalesce,
             max_concurrency=max_concurrency,
             headers=headers,
+            latency_budget_ms=latency_budget_ms,
         )
         self._module = self._protocol_module(self.settings.protocol)
         self._builder = RequestBuilder(self.settings, self._module)

@@ -202,8 +202,7 @@ class EmbeddingClient(ClientBase):
         pool, region = self._acquire_region(client, texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
-            kwargs = {"client_timeout": self.settings.timeout_s} if self.protocol == "grpc" else {}
-            result = self._call("infer", self.model, inputs, outputs=outputs, **kwargs)
+            result = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs())
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array
         finally:

@@ -56,19 +56,28 @@ class Settings:
     coalesce: bool
     max_concurrency: int
     headers: dict | None
+    latency_budget_ms: int | None = None
 
     @classmethod
     def make(cls, *, url: str | None, protocol: str | None, **kwargs) -> Settings:
         """Fill ``url``/``protocol`` from ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL`` or the defaults.
 
         Raises:
-            ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency out of range.
+            ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency/latency budget
+                out of range.
         """
         protocol = (protocol or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
         url = normalise_url(url or os.environ.get(URL_ENV) or DEFAULT_URLS[protocol])
         settings = cls(url=url, protocol=protocol, **kwargs)
+        if settings.latency_budget_ms is not None and (
+            isinstance(settings.latency_budget_ms, bool)
+            or not isinstance(settings.latency_budget_ms, int)
+            or settings.latency_budget_ms < 0
+        ):
+            budget = settings.latency_budget_ms
+            raise ValueError(f"latency_budget_ms must be an int >= 0 (0 = never shed); got {budget!r}")
         if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1:
             raise ValueError(
                 f"need timeout_s > 0, retries >= 0, max_concurrency >= 1; got {settings.timeout_s}, "
@@ -147,6 +156,17 @@ class RequestBuilder:
         self.settings = settings
         self.module = module
         self.http = settings.protocol == "http"
+
+    def infer_kwargs(self) -> dict:
+        """Keyword arguments for tritonclient's ``infer``.
+
+        The gRPC deadline (``client_timeout``, s) and, when set, the request parameter ``latency_budget_ms`` (the
+        encoder's shedding budget for this request, ms).
+        """
+        kwargs: dict = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
+        if self.settings.latency_budget_ms is not None:
+            kwargs["parameters"] = {"latency_budget_ms": self.settings.latency_budget_ms}
+        return kwargs
 
     def build(self, texts: list[str], dim: int, region: Region | None = None):
         """Return ``(inputs, outputs, sent_bytes)``; with ``region`` the tensors travel through shared memory."""

@@ -89,6 +89,25 @@ def waited_ms(request, now_ns: int) -> float | None:
     return (now_ns - int(stamps[0])) / 1e6 if stamps.size else None
 
 
+def request_budget_ms(request, default_ms: float) -> float:
+    """The request parameter ``latency_budget_ms`` (ms, >= 0; 0 = never shed this request), else ``default_ms``.
+
+    Raises:
+        RequestError: the parameter is present but not a number >= 0.
+    """
+    try:
+        value = json.loads(request.parameters() or "{}").get("latency_budget_ms")
+    except (ValueError, AttributeError):
+        value = None
+    if value is None:
+        return default_ms
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise RequestError(
+            f"request parameter 'latency_budget_ms' must be a number >= 0 (0 = never shed); got {value!r}"
+        )
+    return float(value)
+
+
 def last_real_column(mask: np.ndarray) -> int:
     """Index of the last column of ``mask`` ``[n, T]`` holding a 1 in any row; 0 when there is none."""
     columns = np.flatnonzero(mask.any(axis=0))
@@ -194,14 +213,18 @@ class TritonPythonModel:
         now_ns = time.monotonic_ns()
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
+        budgets: list[float] = []
         for i, request in enumerate(requests):
             try:
-                pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
+                budget = request_budget_ms(request, self.latency_budget_ms)
+                piece = read_request(request, self.max_seq_length, self.vocab_size)
             except RequestError as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                pieces.append(None)
-        if self.latency_budget_ms:
-            self._shed_late(requests, pieces, errors, now_ns)
+                budget, piece = 0.0, None
+            budgets.append(budget)
+            pieces.append(piece)
+        if any(budgets):
+            self._shed_late(requests, pieces, errors, now_ns, budgets)
 
         valid = [p for p in pieces if p is not None]
         embeddings = None
@@ -228,20 +251,20 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
         return responses
 
-    def _shed_late(self, requests: list, pieces: list, errors: dict, now_ns: int) -> None:
+    def _shed_late(self, requests: list, pieces: list, errors: dict, now_ns: int, budgets: list[float]) -> None:
         """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place)."""
         live = [i for i, p in enumerate(pieces) if p is not None]
         waited = [waited_ms(requests[i], now_ns) for i in live]
         rows = [pieces[i][0].shape[0] for i in live]
         widths = [last_real_column(pieces[i][1]) + 1 for i in live]
-        shed = choose_shed(waited, rows, widths, self.cost, self.latency_budget_ms)
+        shed = choose_shed(waited, rows, widths, self.cost, [budgets[i] for i in live])
         for k in shed:
             i = live[k]
             estimate = self.cost.estimate_ms(sum(rows), max(widths))
             errors[i] = pb_utils.TritonError(
                 f"overloaded: the request waited {waited[k]:.0f} ms before the encoder and its batch needs ~"
-                f"{estimate:.0f} ms, over the {self.latency_budget_ms:g} ms latency budget (LATENCY_BUDGET_MS, "
-                "sized to the SLA). Retry with backoff",
+                f"{estimate:.0f} ms, over the {budgets[i]:g} ms latency budget (LATENCY_BUDGET_MS, sized to the "
+                "SLA; request parameter latency_budget_ms overrides it, 0 = never shed). Retry with backoff",
                 pb_utils.TritonError.UNAVAILABLE,
             )
             pieces[i] = None

@@ -57,7 +57,7 @@ class CostModel:
 
 
 def choose_shed(
-    waited_ms: list[float | None], rows: list[int], widths: list[int], cost: CostModel, budget_ms: float
+    waited_ms: list[float | None], rows: list[int], widths: list[int], cost: CostModel, budget_ms: float | list[float]
 ) -> set[int]:
     """Which requests of one execute to shed so that every kept one finishes within its deadline.
 
@@ -73,16 +73,20 @@ def choose_shed(
         rows: per request, texts in it.
         widths: per request, its longest real text in tokens.
         cost: the execution-time model.
-        budget_ms: the latency budget from the tokenizer's start to the encoder's end, ms; 0 disables shedding.
+        budget_ms: the latency budget from the tokenizer's start to the encoder's end, ms, for every request or one
+            per request (a request parameter may set it); 0 = never shed that request.
 
     Returns:
         indices to answer UNAVAILABLE: while some kept request would miss its deadline (its wait plus the estimated
         execution of the kept batch), the longest-waiting of those is shed and the estimate recomputed.
     """
     shed: set[int] = set()
-    if budget_ms <= 0:
+    budgets = list(budget_ms) if isinstance(budget_ms, list) else [budget_ms] * len(rows)
+    if not any(b > 0 for b in budgets):
         return shed
-    deadline = [max(budget_ms, BIG_REQUEST_FACTOR * cost.estimate_ms(r, w)) for r, w in zip(rows, widths, strict=True)]
+    deadline = [
+        max(b, BIG_REQUEST_FACTOR * cost.estimate_ms(r, w)) for b, r, w in zip(budgets, rows, widths, strict=True)
+    ]
     kept = set(range(len(rows)))
     while kept:
         estimate = cost.estimate_ms(sum(rows[j] for j in kept), max(widths[j] for j in kept))
@@ -90,7 +94,8 @@ def choose_shed(
             j
             for j in kept
             if waited_ms[j] is not None
-            and waited_ms[j] >= MIN_WAIT_FRACTION * budget_ms
+            and budgets[j] > 0
+            and waited_ms[j] >= MIN_WAIT_FRACTION * budgets[j]
             and waited_ms[j] + estimate > deadline[j]
         ]
         if not late:

@@ -65,3 +65,9 @@ def test_cost_model_learns_the_fixed_part_from_small_executions_and_the_rest_fro
     assert model.ms_per_token == pytest.approx(0.15)
     assert model.estimate_ms(10, 20) == pytest.approx(2.0 + 30.0)
     assert CostModel(ms_per_token=0.1, fixed_ms=2.0, margin=1.4).estimate_ms(10, 20) == pytest.approx(1.4 * 22.0)
+
+
+def test_per_request_budgets_a_zero_one_is_never_shed():
+    waited, rows, widths = [400.0, 400.0, 400.0], [1, 1, 1], [16, 16, 16]
+    assert choose_shed(waited, rows, widths, COST, budget_ms=[150, 0, 1000]) == {0}
+    assert choose_shed(waited, rows, widths, COST, budget_ms=[0, 0, 0]) == set()
