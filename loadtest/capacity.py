@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loadtest.report import cache_hit_ratio
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -28,6 +30,7 @@ class Step:
         users: Locust users; passed: the gate's verdict; exit_code: Locust's exit status.
         throughput_rps: successful requests/s in the window; p50_ms, p99_ms: latency, milliseconds.
         failures, requests: in the window. culprit: the largest stage. line: the gate's verdict line.
+        cache_hit_ratio: share of the window's requests answered from the response cache (0..1).
     """
 
     users: int
@@ -40,6 +43,7 @@ class Step:
     failures: int
     culprit: str
     line: str
+    cache_hit_ratio: float = 0.0
 
 
 def run_step(users: int, step_s: float, folder: Path, locust_args: list[str]) -> Step:
@@ -86,6 +90,7 @@ def run_step(users: int, step_s: float, folder: Path, locust_args: list[str]) ->
         failures=gate["failures"],
         culprit=(report.get("culprit") or {}).get("name", "?"),
         line=gate["line"],
+        cache_hit_ratio=cache_hit_ratio(report),
     )
 
 
@@ -99,17 +104,19 @@ def markdown(steps: list[Step], sla_note: str) -> str:
     lines = [
         f"# Capacity search ({sla_note})",
         "",
-        "| users | verdict | req/s | p50 ms | p99 ms | failures | largest stage |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| users | verdict | req/s | p50 ms | p99 ms | failures | cache hits | largest stage |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for s in steps:
         verdict = "PASS" if s.passed else "FAIL"
         lines.append(
             f"| {s.users} | {verdict} | {s.throughput_rps:.1f} | {s.p50_ms:.1f} | {s.p99_ms:.1f} | "
-            f"{s.failures}/{s.requests} | {s.culprit} |"
+            f"{s.failures}/{s.requests} | {100 * s.cache_hit_ratio:.0f}% | {s.culprit} |"
         )
     top = best(steps)
     lines += ["", capacity_line(top)]
+    if any(s.cache_hit_ratio > 0.10 for s in steps):
+        lines += ["", "Over 10% of some steps' requests were response-cache hits: those throughputs flatter the model."]
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for users in levels:
         step = run_step(users, args.step_s, out / f"users-{users}", locust_args)
         steps.append(step)
-        print(f"{users:>4} users: {step.line}", flush=True)
+        hits = f" [{100 * step.cache_hit_ratio:.0f}% cache hits]" if step.cache_hit_ratio > 0.10 else ""
+        print(f"{users:>4} users: {step.line}{hits}", flush=True)
         if not step.passed and not args.keep_going:
             break
     sla = next((locust_args[i + 1] for i, a in enumerate(locust_args[:-1]) if a == "--sla-ms"), "200")

@@ -45,6 +45,12 @@ def errors(samples: list[Sample], top: int = 10) -> list[dict]:
     return [{"type": t, "name": n, "error": e, "count": c} for (t, n, e), c in ranked]
 
 
+def cache_hit_ratio(report: dict) -> float:
+    """Response-cache hits / ensemble requests in the window (0.0 without Triton statistics)."""
+    embed = report["triton"]["window"].get("embed")
+    return embed["cache_hits"] / embed["requests"] if embed and embed["requests"] else 0.0
+
+
 def gpu_summary(samples, episodes=()) -> list[dict]:
     """Per GPU over the run: samples, mean/max utilisation (%), max memory used (bytes), mean power (W).
 

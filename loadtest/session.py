@@ -18,6 +18,7 @@ from loadtest.stages import breakdown, culprit
 
 log = logging.getLogger("loadtest")
 RUNS_DIR = Path(__file__).resolve().parent / "runs"
+CACHE_WARNING_RATIO = 0.10  # above this share of cache hits the summary warns that the figures flatter the model
 
 
 class StatsSource:
@@ -69,9 +70,12 @@ class LoadRun:
         events.spawning_complete.add_listener(self.on_spawning_complete)
         events.test_stop.add_listener(self.on_test_stop)
         events.quitting.add_listener(self.on_quitting)
+        events.quit.add_listener(self.on_quit)
 
     def _reset(self) -> None:
         self.started_s = time.time()
+        self.user_classes: list[str] = []
+        self.summary: list[str] = []
         self.window_start_s: float | None = None
         self.snapshots: dict[str, dict[str, dict]] = {}
         self.monitor = None
@@ -97,6 +101,7 @@ class LoadRun:
     def on_spawning_complete(self, user_count: int, **_) -> None:
         """All users run: the measured window opens ``--warmup-s`` seconds from now."""
         self.window_start_s = time.time() + self.opts.warmup_s
+        self.user_classes = sorted(name for name, n in self.env.runner.user_classes_count.items() if n)
         gevent.spawn_later(self.opts.warmup_s, self._open_window)
         log.info("%d users running; window opens in %.0f s", user_count, self.opts.warmup_s)
 
@@ -138,7 +143,7 @@ class LoadRun:
             "users": o.num_users,
             "spawn_rate": o.spawn_rate,
             "warmup_s": o.warmup_s,
-            "user_classes": [c.__name__ for c in self.env.user_classes],
+            "user_classes": self.user_classes or [c.__name__ for c in self.env.user_classes],
             "corpus": f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts)",
         }
         data = report.build(
@@ -154,12 +159,26 @@ class LoadRun:
         self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
         report.write(data, self.folder)
         blamed = culprit(stages)
-        print(self.result.line(), flush=True)
+        self.summary = [self.result.line()]
         if blamed is not None:
-            print(f"Largest stage: {blamed.name}, {blamed.ms:.1f} ms ({100 * blamed.share:.0f}% of the mean)")
-        print(f"Report: {self.folder / 'report.md'}", flush=True)  # flushes the lines above too
+            self.summary.append(
+                f"Largest stage: {blamed.name}, {blamed.ms:.1f} ms ({100 * blamed.share:.0f}% of the mean)"
+            )
+        hits = report.cache_hit_ratio(data)
+        if hits > CACHE_WARNING_RATIO:
+            self.summary.append(
+                f"Warning: {100 * hits:.0f}% of the requests were response-cache hits (repeated texts), which flatters "
+                "the figures: restart the server or use a larger --corpus to measure the model"
+            )
+        self.summary.append(f"Report: {self.folder / 'report.md'}")
+        print("\n".join(self.summary), flush=True)
 
     def on_quitting(self, environment, **_) -> None:
         """Exit code: 0 when the gate passed, 1 when it failed (Locust's own any-failure rule is replaced)."""
         if self.result is not None:
             environment.process_exit_code = 0 if self.result.passed else 1
+
+    def on_quit(self, **_) -> None:
+        """Repeat the verdict after Locust's final statistics tables, so that it is the last thing printed."""
+        if self.summary:
+            print("\n".join(self.summary), flush=True)
