@@ -45,7 +45,10 @@ def as_texts(texts: TextsLike) -> list[str]:
             try:
                 out.append(item.decode("utf-8"))
             except UnicodeDecodeError as exc:
-                raise InvalidInputError(f"texts[{i}] is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+                raise InvalidInputError(
+                    f"texts[{i}] is not valid UTF-8: byte 0x{item[exc.start]:02x} at offset {exc.start} "
+                    f"({exc.reason}); nothing was sent"
+                ) from None
         else:
             raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str")
     return out
