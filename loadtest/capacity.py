@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.report import cache_hit_ratio
+from loadtest.report import CACHE_WARNING_RATIO, cache_hit_ratio
 
 HERE = Path(__file__).resolve().parent
 
@@ -115,8 +115,12 @@ def markdown(steps: list[Step], sla_note: str) -> str:
         )
     top = best(steps)
     lines += ["", capacity_line(top)]
-    if any(s.cache_hit_ratio > 0.10 for s in steps):
-        lines += ["", "Over 10% of some steps' requests were response-cache hits: those throughputs flatter the model."]
+    if any(s.cache_hit_ratio > CACHE_WARNING_RATIO for s in steps):
+        lines += [
+            "",
+            f"Over {100 * CACHE_WARNING_RATIO:.0f}% of some steps' requests were response-cache hits: those "
+            "throughputs flatter the model.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for users in levels:
         step = run_step(users, args.step_s, out / f"users-{users}", locust_args)
         steps.append(step)
-        hits = f" [{100 * step.cache_hit_ratio:.0f}% cache hits]" if step.cache_hit_ratio > 0.10 else ""
+        hits = f" [{100 * step.cache_hit_ratio:.0f}% cache hits]" if step.cache_hit_ratio > CACHE_WARNING_RATIO else ""
         print(f"{users:>4} users: {step.line}{hits}", flush=True)
         if not step.passed and not args.keep_going:
             break

@@ -110,6 +110,11 @@ class GateResult:
         return {**asdict(self), "fail_ratio": self.fail_ratio, "line": self.line()}
 
 
+def percentiles(latencies_ms: np.ndarray, qs: list[float]) -> list[float]:
+    """NumPy's (linear) percentiles ``qs`` of ``latencies_ms``, as floats; 0.0 each for an empty array."""
+    return [float(v) for v in np.percentile(latencies_ms, qs)] if latencies_ms.size else [0.0] * len(qs)
+
+
 def window(samples: list[Sample], start_s: float, end_s: float) -> list[Sample]:
     """The samples that started in ``[start_s, end_s)`` (seconds since the epoch)."""
     return [x for x in samples if start_s <= x.start_s < end_s]
@@ -126,7 +131,7 @@ def evaluate(samples: list[Sample], start_s: float, end_s: float, spec: SlaSpec)
     chosen = window(samples, start_s, end_s)
     ok = np.array([x.response_ms for x in chosen if not x.failed])
     failures = sum(x.failed for x in chosen)
-    p50, p95, p99 = (float(v) for v in np.percentile(ok, [50, 95, 99])) if ok.size else (0.0, 0.0, 0.0)
+    p50, p95, p99 = percentiles(ok, [50, 95, 99])
     reasons = []
     if p99 > spec.p99_ms:
         reasons.append(f"p99 {p99:.1f} ms > {spec.p99_ms:g} ms")
@@ -159,7 +164,7 @@ def timeline(samples: list[Sample], origin_s: float, bin_s: float = 1.0) -> list
     out = []
     for k in sorted(rows):
         ok = np.array([x.response_ms for x in rows[k] if not x.failed])
-        p50, p95, p99 = (float(v) for v in np.percentile(ok, [50, 95, 99])) if ok.size else (0.0, 0.0, 0.0)
+        p50, p95, p99 = percentiles(ok, [50, 95, 99])
         out.append(
             {
                 "t_s": k * bin_s,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from triton_embed.server_stats import StepStats
 
-from loadtest.gate import GateResult, Sample, timeline, window
+from loadtest.gate import GateResult, Sample, percentiles, timeline, window
 from loadtest.stages import Stage, culprit
 
 
@@ -20,7 +20,7 @@ def by_name(samples: list[Sample]) -> list[dict]:
     rows = []
     for (kind, name), group in sorted(groups.items()):
         ok = np.array([x.response_ms for x in group if not x.failed])
-        p50, p99 = (float(v) for v in np.percentile(ok, [50, 99])) if ok.size else (0.0, 0.0)
+        p50, p99 = percentiles(ok, [50, 99])
         rows.append(
             {
                 "type": kind,
@@ -43,6 +43,10 @@ def errors(samples: list[Sample], top: int = 10) -> list[dict]:
             counts[key] = counts.get(key, 0) + 1
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
     return [{"type": t, "name": n, "error": e, "count": c} for (t, n, e), c in ranked]
+
+
+CACHE_WARNING_RATIO = 0.10
+"""Above this share of response-cache hits, summaries warn that the figures flatter the model."""
 
 
 def cache_hit_ratio(report: dict) -> float:

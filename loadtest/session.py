@@ -14,11 +14,10 @@ from triton_embed.server_stats import STEPS, parse
 
 from loadtest import report
 from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, window
-from loadtest.stages import breakdown, culprit
+from loadtest.stages import breakdown
 
 log = logging.getLogger("loadtest")
 RUNS_DIR = Path(__file__).resolve().parent / "runs"
-CACHE_WARNING_RATIO = 0.10  # above this share of cache hits the summary warns that the figures flatter the model
 
 
 class StatsSource:
@@ -158,14 +157,14 @@ class LoadRun:
         )
         self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
         report.write(data, self.folder)
-        blamed = culprit(stages)
+        blamed = data["culprit"]
         self.summary = [self.result.line()]
         if blamed is not None:
             self.summary.append(
-                f"Largest stage: {blamed.name}, {blamed.ms:.1f} ms ({100 * blamed.share:.0f}% of the mean)"
+                f"Largest stage: {blamed['name']}, {blamed['ms']:.1f} ms ({100 * blamed['share']:.0f}% of the mean)"
             )
         hits = report.cache_hit_ratio(data)
-        if hits > CACHE_WARNING_RATIO:
+        if hits > report.CACHE_WARNING_RATIO:
             self.summary.append(
                 f"Warning: {100 * hits:.0f}% of the requests were response-cache hits (repeated texts), which flatters "
                 "the figures: restart the server or use a larger --corpus to measure the model"
