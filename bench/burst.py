@@ -90,7 +90,7 @@ def run_budget(budget: float, texts: list[str], clients: int, seconds: float) ->
             model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log, extra_args=extra
         ) as srv:
             results = asyncio.run(burst(srv.grpc_url, texts, clients=clients, seconds=seconds, timeout_s=10.0))
-            inside = triton_p99_ms(f"http://127.0.0.1:{srv.config.metrics_port}/metrics")
+            inside = triton_p99_ms(srv.metrics_url)
     ok = np.array([ms for outcome, ms, _ in results if outcome == "ok"])
     shed = np.array([ms for outcome, ms, _ in results if outcome == "StatusCode.UNAVAILABLE"])
     other = len(results) - len(ok) - len(shed)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import urllib.error
+import urllib.request
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -89,3 +91,13 @@ class ByteCountingProxy:
     def close(self) -> None:
         self._stop = True
         self._server.close()
+
+
+def post_status(url: str, headers: dict | None = None) -> int:
+    """HTTP status of an empty-JSON POST to ``url`` (e.g. an admin API: 403 without its header, 200 with it)."""
+    request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - our loopback server
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code

@@ -35,21 +35,13 @@ from deploy_helpers import (
     resolved,
     tool,
 )
+from helpers import post_status
 
 
 @pytest.fixture(scope="module")
 def compose_server(tmp_path_factory):
     with compose_server_running(tmp_path_factory.mktemp("compose")) as server:
         yield server
-
-
-def post_status(url: str, headers: dict | None = None) -> int:
-    request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - our loopback server
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def test_compose_command_serves_embeddings_with_the_admin_apis_locked(compose_server):

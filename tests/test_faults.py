@@ -49,7 +49,7 @@ def test_burst_above_capacity_is_shed_and_answered_within_bounds(fault_server, s
     assert all("LATENCY_BUDGET_MS" in message for _, message in shed), shed[:3]
     p99 = float(np.percentile(ok, 99))
     assert p99 < ACCEPTED_P99_BOUND_MS, f"p99 of accepted requests {p99:.0f} ms; outcomes {outcomes}"
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{fault_server.config.metrics_port}/metrics").read().decode()
+    metrics = urllib.request.urlopen(fault_server.metrics_url).read().decode()
     counted = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("triton_embed_shed_"))
     assert counted == len(shed)
     with EmbeddingClient(url=fault_server.grpc_url) as client:

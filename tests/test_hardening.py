@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import reference_embed
+from helpers import post_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from triton_embed import EmbeddingClient
@@ -105,14 +103,7 @@ def test_random_unicode_and_bytes_give_embeddings_or_clear_errors(server, refere
 
 
 def http_admin(server, path: str, headers: dict | None = None) -> int:
-    request = urllib.request.Request(
-        f"http://{server.http_url}{path}", data=b"{}", method="POST", headers=headers or {}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 - our loopback server
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    return post_status(f"http://{server.http_url}{path}", headers)
 
 
 def test_admin_apis_need_the_header_and_inference_does_not(server):

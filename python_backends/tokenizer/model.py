@@ -8,10 +8,9 @@ Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` 
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
 that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. ``arrival_ns``, int64
 ``[n_texts, 1]``, is ``time.monotonic_ns()`` when this execute began (one clock for every process on the host):
-the encoder sheds requests that can no longer finish in time (``LATENCY_BUDGET_MS``, encoder config).
-A bad request (missing
-input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a text over
-max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
+the encoder sheds requests that can no longer finish in time (``LATENCY_BUDGET_MS``, encoder config). A bad
+request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a
+text over max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
 
 Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default, cuts long
 texts at max_seq_length as sentence-transformers does; ``error`` rejects them). A request parameter ``truncate``

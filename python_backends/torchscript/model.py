@@ -258,9 +258,9 @@ class TritonPythonModel:
         rows = [pieces[i][0].shape[0] for i in live]
         widths = [last_real_column(pieces[i][1]) + 1 for i in live]
         shed = choose_shed(waited, rows, widths, self.cost, [budgets[i] for i in live])
+        estimate = self.cost.estimate_ms(sum(rows), max(widths)) if shed else 0.0
         for k in shed:
             i = live[k]
-            estimate = self.cost.estimate_ms(sum(rows), max(widths))
             errors[i] = pb_utils.TritonError(
                 f"overloaded: the request waited {waited[k]:.0f} ms before the encoder and its batch needs ~"
                 f"{estimate:.0f} ms, over the {budgets[i]:g} ms latency budget (LATENCY_BUDGET_MS, sized to the "
