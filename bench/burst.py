@@ -104,7 +104,7 @@ def run_budget(budget: float, texts: list[str], clients: int, seconds: float) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: one server and one burst per budget; prints a markdown table."""
-    from loadtest.corpus import STS_DIR
+    from loadtest.corpus import STS_DIR, sts_rows
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=192)
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = STS_DIR / "sts-dev.csv"
     if not dev.is_file():
         sys.exit(f"STS Benchmark not found at {dev} (set TRITON_EMBED_STS_DIR)")
-    rows = [line.split("\t") for line in dev.read_text(encoding="utf-8").splitlines()]
-    texts = [f"{cols[5]} {i}" for i, cols in enumerate(rows)]  # unique: the cache is off anyway
+    texts = [f"{cols[5]} {i}" for i, cols in enumerate(sts_rows(dev))]  # unique, as in tests/test_faults.py
     print(f"{args.clients} clients, {args.seconds:g} s, single STS-B dev sentences over gRPC")
     print("| LATENCY_BUDGET_MS | answered ok/s | shed | other errors | accepted p50 / p99 | p99 in Triton | shed p50 |")
     print("| ---: | ---: | ---: | ---: | --- | ---: | ---: |")

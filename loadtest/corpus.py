@@ -40,9 +40,9 @@ def load_corpus(path: str | Path | None = None, sts_dir: Path = STS_DIR) -> list
     files = [sts_dir / name for name in STS_FILES]
     if not all(f.is_file() for f in files):
         raise CorpusError(f"STS Benchmark not found in {sts_dir}; name a text file (one text per line) instead")
-    texts = []
-    for f in files:
-        for line in f.read_text(encoding="utf-8").splitlines():
-            cols = line.split("\t")
-            texts += [cols[5], cols[6]]
-    return texts
+    return [text for f in files for cols in sts_rows(f) for text in (cols[5], cols[6])]
+
+
+def sts_rows(path: Path) -> list[list[str]]:
+    """The tab-separated columns of one STS Benchmark file: 4 is the gold score 0..5, 5 and 6 the sentences."""
+    return [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()]

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from loadtest.corpus import STS_DIR, sts_rows  # one reader of STS-B for tests, load tests and benchmarks
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STS_DIR = Path(os.environ.get("TRITON_EMBED_STS_DIR", REPO_ROOT.parent / "shared" / "data" / "stsbenchmark"))
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,7 @@ class StsPair:
 
 def read_sts(split: str) -> list[StsPair]:
     """Read ``sts-<split>.csv`` (tab-separated: column 4 gold score, columns 5 and 6 the sentences)."""
-    pairs = []
-    for line in (STS_DIR / f"sts-{split}.csv").read_text(encoding="utf-8").splitlines():
-        cols = line.split("\t")
-        pairs.append(StsPair(float(cols[4]), cols[5], cols[6]))
-    return pairs
+    return [StsPair(float(cols[4]), cols[5], cols[6]) for cols in sts_rows(STS_DIR / f"sts-{split}.csv")]
 
 
 @pytest.fixture(scope="session")
