@@ -1,4 +1,4 @@
-"""Deadline-based shedding (python_backends/torchscript/shedding.py): which requests go, and the cost model."""
+"""Deadline-based shedding (python_backends/common/shedding.py): which requests go, and the cost model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "torchscript"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "common"))
 
 from shedding import CostModel, choose_shed  # noqa: E402
 
@@ -65,6 +65,7 @@ def test_cost_model_learns_the_fixed_part_from_small_executions_and_the_rest_fro
     assert model.ms_per_token == pytest.approx(0.15)
     assert model.estimate_ms(10, 20) == pytest.approx(2.0 + 30.0)
     assert CostModel(ms_per_token=0.1, fixed_ms=2.0, margin=1.4).estimate_ms(10, 20) == pytest.approx(1.4 * 22.0)
+    assert CostModel(ms_per_token=0.1, fixed_ms=2.0, margin=1.4).typical_ms(10, 20) == pytest.approx(22.0)
 
 
 def test_per_request_budgets_a_zero_one_is_never_shed():

@@ -6,54 +6,22 @@ take (a cost per padded token, learned from its own executions). Requests whose 
 ``LATENCY_BUDGET_MS`` are shed, oldest first; each one shed shrinks the batch and so the estimate for the rest.
 This is what Triton's ``default_queue_policy`` timeout would do, but sized to the work actually queued, and without
 the queue policy that stalls Triton 2.51's dynamic batcher on this model (see encoder/config.pbtxt).
-Pure Python (no torch, no Triton) so that it is unit-tested on its own: tests/unit/test_shedding.py.
+The tokenizer applies the same deadlines earlier, from the encoder's backlog (``admission.py``).
+Pure Python (no torch, no Triton) so that it is unit-tested on its own: tests/unit/test_shedding.py. Lives in
+``python_backends/common``, which both backends put on ``sys.path``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+
+from cost import CostModel
 
 BIG_REQUEST_FACTOR = 4.0
 """A request's deadline is at least this many times its own run time: a bulk caller (``triton_embed`` sends 4 chunks
 of 64 texts at once by default) has each chunk wait for up to 3 others, which is not overload."""
 MIN_WAIT_FRACTION = 0.5
 """A request is shed only after waiting at least this share of the latency budget (see :func:`choose_shed`)."""
-
-
-@dataclass
-class CostModel:
-    """Execution time of one batch: ``fixed_ms + ms_per_token x rows x padded length``, learned as moving averages.
-
-    Attributes:
-        ms_per_token: cost per padded token, ms (CPU, MiniLM: ~0.1; a GPU graph replay: far less). Learned from
-            executions of at least ``min_tokens`` padded tokens, after taking ``fixed_ms`` off.
-        fixed_ms: cost of an execution regardless of its size (call overhead, thread wake-up), ms. Learned from
-            the smaller executions, after taking the per-token part off.
-        alpha: weight of each new observation (0.1: about the last 10 executions of that kind).
-        min_tokens: the boundary between "small" (teaches ``fixed_ms``) and "large" (teaches ``ms_per_token``).
-        margin: factor on the estimate (measured: execution time / this model's estimate had p90 1.38 during a 4x
-            overload on 2 CPU cores, where the server and its clients share the cores).
-    """
-
-    ms_per_token: float
-    fixed_ms: float = 0.0
-    alpha: float = 0.1
-    min_tokens: int = 256
-    margin: float = 1.4
-
-    def estimate_ms(self, rows: int, width: int) -> float:
-        """Expected execution time of ``rows`` texts padded to ``width`` tokens, milliseconds (margin included)."""
-        return self.margin * (self.fixed_ms + self.ms_per_token * rows * width)
-
-    def observe(self, took_ms: float, rows: int, width: int) -> None:
-        """Learn from one execution of ``rows`` x ``width`` padded tokens that took ``took_ms`` ms."""
-        tokens = rows * width
-        if tokens >= self.min_tokens:
-            per_token = max(0.0, took_ms - self.fixed_ms) / tokens
-            self.ms_per_token += self.alpha * (per_token - self.ms_per_token)
-        else:
-            fixed = max(0.0, took_ms - self.ms_per_token * tokens)
-            self.fixed_ms += self.alpha * (fixed - self.fixed_ms)
 
 
 def choose_shed(
@@ -104,3 +72,30 @@ def choose_shed(
         kept.discard(oldest)
         shed.add(oldest)
     return shed
+
+
+class BudgetError(ValueError):
+    """The request parameter ``latency_budget_ms`` is not a number >= 0."""
+
+
+def budget_from_parameters(parameters: str | None, default_ms: float) -> float:
+    """The request parameter ``latency_budget_ms`` (ms, >= 0; 0 = never shed this request), else ``default_ms``.
+
+    Args:
+        parameters: the request's parameters as JSON text (``request.parameters()`` in Triton's Python backend).
+        default_ms: the model's ``LATENCY_BUDGET_MS``, ms.
+
+    Raises:
+        BudgetError: the parameter is present but not a number >= 0; the message names it and the value.
+    """
+    try:
+        value = json.loads(parameters or "{}").get("latency_budget_ms")
+    except (ValueError, AttributeError):
+        value = None
+    if value is None:
+        return default_ms
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise BudgetError(
+            f"request parameter 'latency_budget_ms' must be a number >= 0 (0 = never shed); got {value!r}"
+        )
+    return float(value)
