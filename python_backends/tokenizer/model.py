@@ -7,14 +7,21 @@ the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds 
 Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call, and split back per request.
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
 that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. ``arrival_ns``, int64
-``[n_texts, 1]``, is ``time.monotonic_ns()`` when this execute began (one clock for every process on the host):
-the encoder sheds requests that can no longer finish in time (``LATENCY_BUDGET_MS``, encoder config). A bad
+``[n_texts, 1]``, is ``time.monotonic_ns()`` when this execute began plus the request's index in it (one clock for
+every process on the host; unique per request, so it also orders them): the encoder sheds requests that can no
+longer finish in time (``LATENCY_BUDGET_MS``, encoder config).
+
+Admission control (``common/admission.py``): before answering, each request's finish is predicted from the load the
+encoder named by ``ADMISSION_MODEL`` publishes (``common/loadboard.py``) plus the requests admitted here that it has
+not taken yet; a request that would miss the encoder's latency budget is refused at once (UNAVAILABLE, counted in
+``triton_embed_shed_requests_total{model="tokenizer"}``) instead of queueing ~200 ms to be shed there. A
 request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a
 text over max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
 
 Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default, cuts long
-texts at max_seq_length as sentence-transformers does; ``error`` rejects them). A request parameter ``truncate``
-(true/false) overrides ``TRUNCATION`` for that request.
+texts at max_seq_length as sentence-transformers does; ``error`` rejects them), ``ADMISSION_MODEL`` (the encoder
+model whose load is read; empty = no admission control). Request parameters: ``truncate`` (true/false) overrides
+``TRUNCATION``; ``latency_budget_ms`` overrides the encoder's budget (0 = never refuse).
 """
 
 from __future__ import annotations
@@ -31,17 +38,27 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
+# Code shared with the encoder backend (cost model, shedding, load board): python_backends/common, beside this
+# backend's folder (resolved, because the embedded server's backend directory links to python_backends/tokenizer).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 # Batches here are a few short texts: the Rust thread pool of encode_batch only fights the encoder's torch
 # threads for the cores (measured: tokenizer execution 4.1 ms -> 1.4 ms at 16 clients on 2 cores).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from admission import Backlog, cost_of
+from loadboard import LoadReader
+from shedding import BudgetError, budget_from_parameters
 from tokenizers import Tokenizer
 
 INPUT = "TEXT"
 OUTPUTS = ("input_ids", "attention_mask")
 ARRIVAL = "arrival_ns"
+ENSEMBLE_HOP_MS = 1.0
+"""Time for the ensemble to hand a tokenizer response to the encoder's queue, ms (rough; with this execute's
+duration it is the transit that decides whether a new request can still join the encoder's next batch)."""
+TRANSIT_ALPHA = 0.1
 
 
 class RequestError(ValueError):
@@ -117,6 +134,24 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"parameter TRUNCATION must be 'truncate' or 'error'; got {self.truncate!r}"
             )
+        admission_model = params.get("ADMISSION_MODEL", "")
+        # The stub's parent is the tritonserver process; the encoder's stubs publish under the same pid.
+        self.loads = LoadReader(os.getppid(), admission_model) if admission_model else None
+        instances = sum(int(group.get("count", 1)) for group in self.model_config.get("instance_group", [])) or 1
+        self.backlog = Backlog(share=instances)
+        self._transit_ms = 1.0  # moving average: this execute's duration + ENSEMBLE_HOP_MS (see _admit)
+        self._refused_ns = 0  # when this instance last refused a request (monotonic ns)
+        self._shed_family = pb_utils.MetricFamily(
+            name="triton_embed_shed_requests_total",
+            description="Requests answered UNAVAILABLE because they could not finish within LATENCY_BUDGET_MS",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
+
+    def finalize(self) -> None:
+        """Release the metric before its family (the order Triton's Python backend requires)."""
+        self._shed_metric = None
+        self._shed_family = None
 
     def _truncates(self, request) -> bool:
         """Truncate this request's long texts? Request parameter ``truncate`` (bool) wins over ``TRUNCATION``."""
@@ -128,7 +163,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         """Tokenise all requests' texts in one call; one response per request, in order."""
-        arrival_ns = time.monotonic_ns()
+        arrival_ns = time.monotonic_ns()  # + request index: one unique, ordered stamp per request
         texts_per_request: list[list[str] | None] = []
         errors: dict[int, str] = {}
         for i, request in enumerate(requests):
@@ -147,7 +182,6 @@ class TritonPythonModel:
         rows = iter(encodings)
         per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
 
-        responses = []
         for i, encs in enumerate(per_request):
             if encs is not None and not self._truncates(requests[i]):
                 long = next((row for row, e in enumerate(encs) if e.overflowing), None)
@@ -156,13 +190,56 @@ class TritonPythonModel:
                         f"input '{INPUT}' row {long} has more than {self.max_tokens} tokens (the model's "
                         "max_seq_length) and truncation is off for this request"
                     )
+        refusals = self._admit(requests, per_request, errors, arrival_ns)
+        responses = []
+        for i, encs in enumerate(per_request):
             if i in errors:
                 error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
+            if i in refusals:
+                error = pb_utils.TritonError(refusals[i], pb_utils.TritonError.UNAVAILABLE)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
             ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
-            arrival = np.full((len(encs), 1), arrival_ns, dtype=np.int64)
+            arrival = np.full((len(encs), 1), arrival_ns + i, dtype=np.int64)
             tensors = [pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask)]
             tensors.append(pb_utils.Tensor(ARRIVAL, arrival))
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        took_ms = (time.monotonic_ns() - arrival_ns) / 1e6
+        self._transit_ms += TRANSIT_ALPHA * (took_ms + ENSEMBLE_HOP_MS - self._transit_ms)
         return responses
+
+    def _admit(self, requests: list, per_request: list, errors: dict[int, str], arrival_ns: int) -> dict[int, str]:
+        """Admission control: ``{request index: UNAVAILABLE message}`` for requests refused (see the module doc).
+
+        Requests already in ``errors`` are skipped; a bad ``latency_budget_ms`` parameter is added there
+        (INVALID_ARG). Without a published encoder load nothing is refused.
+        """
+        if self.loads is None:
+            return {}
+        loads = self.loads.read(arrival_ns)
+        if not loads:
+            return {}
+        latest = max(loads, key=lambda load: load.updated_ns)
+        cost = cost_of(loads, arrival_ns, refused_ns=self._refused_ns)
+        plan = self.backlog.plan(loads, cost, arrival_ns, transit_ms=self._transit_ms)
+        refusals: dict[int, str] = {}
+        for i, encs in enumerate(per_request):
+            if encs is None or i in errors:
+                continue
+            try:
+                budget = budget_from_parameters(requests[i].parameters(), latest.budget_ms)
+            except BudgetError as exc:
+                errors[i] = str(exc)
+                continue
+            rows, width = len(encs), max(len(e.ids) for e in encs)
+            refusal = plan.judge(rows, width, budget)
+            if refusal is not None:
+                refusals[i] = refusal.message()
+            else:
+                self.backlog.admit(plan, arrival_ns + i, rows, width, budget)
+        if refusals:
+            self._shed_metric.increment(len(refusals))
+            self._refused_ns = arrival_ns
+        return refusals

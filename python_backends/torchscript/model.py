@@ -9,10 +9,14 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 :class:`runners.BucketedRunner` (padded up to a length bucket; CUDA graph replay per bucket on a GPU instance),
 and the rows are split back per request.
 
-Load shedding (``shedding.py``): the tokenizer stamps each request with ``arrival_ns`` (``time.monotonic_ns()``, one
-clock for all processes on the host). Requests whose wait since then plus the estimated execution time exceeds
+Load shedding (``common/shedding.py``): the tokenizer stamps each request with ``arrival_ns`` (``time.monotonic_ns()``,
+one clock for all processes on the host). Requests whose wait since then plus the estimated execution time exceeds
 ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) are answered UNAVAILABLE at once, oldest first, instead of being
-computed late; counted in ``triton_embed_shed_requests_total``.
+computed late; counted in ``triton_embed_shed_requests_total``. At the start and end of every execution the instance
+publishes its load (``common/loadboard.py``: when the running execution began and its typical duration, the newest
+stamp it has taken, when a request last ran late, its cost model and budget) so that the tokenizer refuses at once
+the requests that could not finish in time (``common/admission.py``); the shedding here is the second line, for
+requests judged on their real wait.
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
@@ -34,13 +38,18 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
+# Code shared with the tokenizer backend (cost model, shedding, load board): python_backends/common, beside this
+# backend's folder (resolved, because the embedded server's backend directory links to python_backends/torchscript).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
+from cost import CostModel
+from loadboard import EncoderLoad, LoadBoard, board_path
 from runners import BucketedRunner
-from shedding import CostModel, choose_shed
+from shedding import BudgetError, budget_from_parameters, choose_shed
 
 INPUTS = ("input_ids", "attention_mask")
 ARRIVAL = "arrival_ns"
@@ -80,32 +89,13 @@ def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndar
     return ids, mask
 
 
-def waited_ms(request, now_ns: int) -> float | None:
-    """Milliseconds since the request's ``arrival_ns`` stamp (first row), or None when it carries none."""
+def arrival_stamp(request) -> int | None:
+    """The request's ``arrival_ns`` stamp (monotonic ns, first row), or None when it carries none."""
     tensor = pb_utils.get_input_tensor_by_name(request, ARRIVAL)
     if tensor is None:
         return None
     stamps = tensor.as_numpy().reshape(-1)
-    return (now_ns - int(stamps[0])) / 1e6 if stamps.size else None
-
-
-def request_budget_ms(request, default_ms: float) -> float:
-    """The request parameter ``latency_budget_ms`` (ms, >= 0; 0 = never shed this request), else ``default_ms``.
-
-    Raises:
-        RequestError: the parameter is present but not a number >= 0.
-    """
-    try:
-        value = json.loads(request.parameters() or "{}").get("latency_budget_ms")
-    except (ValueError, AttributeError):
-        value = None
-    if value is None:
-        return default_ms
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise RequestError(
-            f"request parameter 'latency_budget_ms' must be a number >= 0 (0 = never shed); got {value!r}"
-        )
-    return float(value)
+    return int(stamps[0]) if stamps.size else None
 
 
 def last_real_column(mask: np.ndarray) -> int:
@@ -183,6 +173,15 @@ class TritonPythonModel:
         )
         self.runner.warmup()
         self.cost = self._calibrated_cost()
+        self.max_rows = int(self.model_config.get("max_batch_size", 0)) or 1
+        self._newest_started_ns = 0
+        self._late_ns = 0
+        try:  # the stub's parent is the tritonserver process, which names the board for the tokenizer
+            self.board = LoadBoard(board_path(os.getppid(), args["model_name"], args["model_instance_name"]))
+        except OSError as exc:
+            self.board = None
+            pb_utils.Logger.log_warn(f"{args['model_name']}: no load board ({exc}); no early refusal in the tokenizer")
+        self._publish()
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -207,6 +206,33 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Release the metric objects before their families (the order Triton's Python backend requires)."""
         self._metrics.close()
+        if self.board is not None:
+            self.board.close()
+
+    def _publish(self, running_since_ns: int = 0, running_ms: float = 0.0) -> None:
+        """Write this instance's load for the tokenizer's admission control (a few microseconds).
+
+        Args:
+            running_since_ns: when the execution now starting began (monotonic ns); 0 = idle.
+            running_ms: its typical duration by the cost model (no margin), ms.
+        """
+        if self.board is None:
+            return
+        self.board.publish(
+            EncoderLoad(
+                pid=os.getpid(),
+                updated_ns=time.monotonic_ns(),
+                running_since_ns=running_since_ns,
+                running_ms=running_ms,
+                newest_started_ns=self._newest_started_ns,
+                late_ns=self._late_ns,
+                fixed_ms=self.cost.fixed_ms,
+                ms_per_token=self.cost.ms_per_token,
+                margin=self.cost.margin,
+                budget_ms=self.latency_budget_ms,
+                max_rows=self.max_rows,
+            )
+        )
 
     def execute(self, requests: list) -> list:
         """Validate each request, shed late ones, run the rest as one padded batch; one response per request."""
@@ -214,22 +240,25 @@ class TritonPythonModel:
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
         budgets: list[float] = []
+        stamps = [arrival_stamp(request) for request in requests]
+        self._newest_started_ns = max([self._newest_started_ns, *(s for s in stamps if s is not None)])
         for i, request in enumerate(requests):
             try:
-                budget = request_budget_ms(request, self.latency_budget_ms)
+                budget = budget_from_parameters(request.parameters(), self.latency_budget_ms)
                 piece = read_request(request, self.max_seq_length, self.vocab_size)
-            except RequestError as exc:
+            except (RequestError, BudgetError) as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 budget, piece = 0.0, None
             budgets.append(budget)
             pieces.append(piece)
         if any(budgets):
-            self._shed_late(requests, pieces, errors, now_ns, budgets)
+            self._shed_late(pieces, errors, now_ns, stamps, budgets)
 
         valid = [p for p in pieces if p is not None]
         embeddings = None
         if valid:
             ids, mask = merge_ragged(valid)
+            self._publish(running_since_ns=time.monotonic_ns(), running_ms=self.cost.typical_ms(*ids.shape))
             start = time.perf_counter()
             embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
             self.cost.observe((time.perf_counter() - start) * 1000, *ids.shape)
@@ -238,6 +267,13 @@ class TritonPythonModel:
                     f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
                     f"[{ids.shape[0]}, {self.dim}]"
                 )
+        end_ns = time.monotonic_ns()
+        if any(  # any request that ran late here tells the tokenizer to admit cautiously (admission.cost_of)
+            piece is not None and stamp is not None and 0 < budget < (end_ns - stamp) / 1e6
+            for piece, stamp, budget in zip(pieces, stamps, budgets, strict=True)
+        ):
+            self._late_ns = end_ns
+        self._publish()
 
         responses = []
         start = 0
@@ -251,10 +287,10 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
         return responses
 
-    def _shed_late(self, requests: list, pieces: list, errors: dict, now_ns: int, budgets: list[float]) -> None:
+    def _shed_late(self, pieces: list, errors: dict, now_ns: int, stamps: list, budgets: list[float]) -> None:
         """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place)."""
         live = [i for i, p in enumerate(pieces) if p is not None]
-        waited = [waited_ms(requests[i], now_ns) for i in live]
+        waited = [None if stamps[i] is None else (now_ns - stamps[i]) / 1e6 for i in live]
         rows = [pieces[i][0].shape[0] for i in live]
         widths = [last_real_column(pieces[i][1]) + 1 for i in live]
         shed = choose_shed(waited, rows, widths, self.cost, [budgets[i] for i in live])
@@ -270,6 +306,7 @@ class TritonPythonModel:
             pieces[i] = None
         if shed:
             self._metrics.shed(len(shed))
+            self._late_ns = now_ns
 
 
 class _BucketMetrics:
