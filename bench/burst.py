@@ -3,21 +3,22 @@
     python -m bench.burst --clients 192 --seconds 10 --budgets 0,120,180
 
 For each ``LATENCY_BUDGET_MS`` it starts the embedded server on a copy of the model repository (response cache
-off, that budget on the encoder, ``--metrics-config summary_latencies=true`` for Triton's own p99), runs
-:func:`burst`, and prints one markdown row: answered/s, shed, accepted p50/p99 as the clients saw them, p99 of the
-ensemble inside Triton (``nv_inference_request_summary_us``), and how long shed requests took to come back.
-``tests/test_faults.py`` runs the same burst against the shipped configs.
+off, that budget on the encoder and the tokenizer's admission control), runs :func:`burst`, and prints one
+markdown row (:func:`summarize`): answered/s, shed, accepted p50/p99 as the clients saw them, overall and after the
+onset, how many seconds after the onset kept their p99 within the SLA, and how long shed requests took to come
+back. (Triton's own summary quantiles are left off: on 2 cores ``summary_latencies`` costs enough CPU to move the
+tail it measures.) ``tests/test_faults.py`` runs
+the same burst against the shipped configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 import tempfile
 import time
-import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,41 +27,67 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-async def burst(url: str, texts: list[str], clients: int, seconds: float, timeout_s: float) -> list[tuple]:
+ONSET_S = 1.0
+"""The first second of a burst that hits an idle server. All clients arrive within a few milliseconds: their
+requests queue in the frontend and the tokenizer before any stamp, and the encoder's cost model has not yet seen
+the cores shared with the clients. Measured on 2 cores (192 clients, budget 180 ms): accepted p99 ~265 ms for
+requests sent in the first 0.5 s, <= 200 ms from 0.5 s on."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request of a burst.
+
+    Attributes:
+        outcome: "ok", the gRPC status ("StatusCode.UNAVAILABLE", ...), or "hung" (no answer in time).
+        ms: until the answer came, ms. message: the error message ("" when ok).
+        started_s: when it was sent, seconds after the burst began.
+    """
+
+    outcome: str
+    ms: float
+    message: str
+    started_s: float
+
+
+async def burst(url: str, texts: list[str], clients: int, seconds: float, timeout_s: float) -> list[Answer]:
     """``clients`` concurrent single-sentence gRPC loops for ``seconds``.
 
     A client whose request was shed backs off exponentially (``triton_embed.transport.backoff``: 0.1 s doubling,
-    capped at 2 s), as the library's retries do. Texts are taken round-robin with a per-client offset.
+    capped at 2 s), as the library's retries do. Texts are taken round-robin with a per-client offset, each with the
+    request's number appended: every request is new work (the response cache, when on, never answers one).
 
     Returns:
-        one ``(outcome, latency ms, error message or "")`` per request; outcome ``ok``, the gRPC status
-        (``StatusCode.UNAVAILABLE``, ...), or ``hung`` when no answer came within ``timeout_s + 5`` s.
+        one :class:`Answer` per request; ``hung`` when no answer came within ``timeout_s + 5`` s.
     """
     import tritonclient.grpc.aio as grpcaio
     from triton_embed.transport import backoff
     from tritonclient.utils import InferenceServerException
 
     client = grpcaio.InferenceServerClient(url)
-    results: list[tuple] = []
+    results: list[Answer] = []
+    began = time.perf_counter()
     stop_at = time.monotonic() + seconds
 
     async def loop(i: int) -> None:
         n, shed_in_a_row = i, 0
         while time.monotonic() < stop_at:
             tensor = grpcaio.InferInput("TEXT", [1, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([[texts[n % len(texts)].encode()]], dtype=np.object_))
+            text = f"{texts[n % len(texts)]} {n}"
+            tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
             n += clients
             start = time.perf_counter()
             try:
                 await asyncio.wait_for(client.infer("embed", [tensor], client_timeout=timeout_s), timeout_s + 5)
-                results.append(("ok", (time.perf_counter() - start) * 1000, ""))
+                results.append(Answer("ok", (time.perf_counter() - start) * 1000, "", start - began))
                 shed_in_a_row = 0
             except InferenceServerException as exc:
-                results.append((str(exc.status()), (time.perf_counter() - start) * 1000, exc.message()))
+                ms = (time.perf_counter() - start) * 1000
+                results.append(Answer(str(exc.status()), ms, exc.message(), start - began))
                 await asyncio.sleep(backoff(shed_in_a_row, 0.1))  # a shed client backs off as triton_embed does
                 shed_in_a_row += 1
             except TimeoutError:
-                results.append(("hung", (time.perf_counter() - start) * 1000, ""))
+                results.append(Answer("hung", (time.perf_counter() - start) * 1000, "", start - began))
 
     try:
         await asyncio.gather(*(loop(i) for i in range(clients)))
@@ -69,11 +96,58 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
     return results
 
 
-def triton_p99_ms(metrics_url: str) -> float:
-    """The ensemble's p99 request duration from Triton's summary metric (ms; NaN when absent)."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()  # noqa: S310 - our own loopback server
-    match = re.search(r'nv_inference_request_summary_us\{model="embed",version="1",quantile="0.99"\} (\S+)', text)
-    return float(match.group(1)) / 1000 if match else float("nan")
+SHED = "StatusCode.UNAVAILABLE"
+SLA_MS = 200.0
+
+
+@dataclass(frozen=True)
+class BurstSummary:
+    """What a burst came to: answers ok per second, counts, and latency percentiles (ms; NaN when none).
+
+    Attributes:
+        p99_after_onset_ms: p99 of the accepted requests sent after :data:`ONSET_S`.
+        window_p99_ms: p99 of the accepted requests sent in each whole second after :data:`ONSET_S` (NaN for a
+            second without any). A stall of the shared machine (seen in ~1 run of 10 on 2 cores: 400-600 ms
+            without an answer) spoils the p99 of the whole burst but only the second it falls in.
+    """
+
+    ok_per_s: float
+    ok: int
+    shed: int
+    other: int
+    p50_ms: float
+    p99_ms: float
+    p99_after_onset_ms: float
+    shed_p50_ms: float
+    window_p99_ms: tuple[float, ...]
+
+    def seconds_within(self, sla_ms: float) -> int:
+        """How many of the one-second windows after the onset had their p99 within ``sla_ms``."""
+        return sum(p99 <= sla_ms for p99 in self.window_p99_ms)
+
+
+def summarize(answers: list[Answer], seconds: float) -> BurstSummary:
+    """Summarise :func:`burst`'s answers over a burst of ``seconds``."""
+
+    def pct(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    ok = [a.ms for a in answers if a.outcome == "ok"]
+    shed = [a.ms for a in answers if a.outcome == SHED]
+    settled = [a.ms for a in answers if a.outcome == "ok" and a.started_s >= ONSET_S]
+    windows = range(int(ONSET_S), int(seconds))
+    by_window = [[a.ms for a in answers if a.outcome == "ok" and w <= a.started_s < w + 1] for w in windows]
+    return BurstSummary(
+        ok_per_s=len(ok) / seconds,
+        ok=len(ok),
+        shed=len(shed),
+        other=len(answers) - len(ok) - len(shed),
+        p50_ms=pct(ok, 50),
+        p99_ms=pct(ok, 99),
+        p99_after_onset_ms=pct(settled, 99),
+        shed_p50_ms=pct(shed, 50),
+        window_p99_ms=tuple(pct(values, 99) for values in by_window),
+    )
 
 
 def run_budget(budget: float, texts: list[str], clients: int, seconds: float) -> str:
@@ -84,21 +158,14 @@ def run_budget(budget: float, texts: list[str], clients: int, seconds: float) ->
 
     with tempfile.TemporaryDirectory() as tmp:
         repo = variant_repository(Path(tmp) / "repo", None, latency_budget_ms=budget)
-        extra = ("--metrics-config=summary_latencies=true",)
         log = Path(tmp) / "tritonserver.log"
-        with EmbeddedServer(
-            model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log, extra_args=extra
-        ) as srv:
+        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
             results = asyncio.run(burst(srv.grpc_url, texts, clients=clients, seconds=seconds, timeout_s=10.0))
-            inside = triton_p99_ms(srv.metrics_url)
-    ok = np.array([ms for outcome, ms, _ in results if outcome == "ok"])
-    shed = np.array([ms for outcome, ms, _ in results if outcome == "StatusCode.UNAVAILABLE"])
-    other = len(results) - len(ok) - len(shed)
-    p50, p99 = np.percentile(ok, [50, 99]) if ok.size else (float("nan"),) * 2
-    shed_p50 = f"{np.percentile(shed, 50):.0f} ms" if shed.size else "-"
+    s = summarize(results, seconds)
     return (
-        f"| {budget:g} | {ok.size / seconds:.0f} | {shed.size} | {other} | {p50:.0f} / {p99:.0f} ms | {inside:.0f} ms "
-        f"| {shed_p50} |"
+        f"| {budget:g} | {s.ok_per_s:.0f} | {s.shed} | {s.other} | {s.p50_ms:.0f} / {s.p99_ms:.0f} ms "
+        f"| {s.p99_after_onset_ms:.0f} ms | {s.seconds_within(SLA_MS)}/{len(s.window_p99_ms)} "
+        f"| {s.shed_p50_ms:.0f} ms |"
     )
 
 
@@ -114,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     dev = STS_DIR / "sts-dev.csv"
     if not dev.is_file():
         sys.exit(f"STS Benchmark not found at {dev} (set TRITON_EMBED_STS_DIR)")
-    texts = [f"{cols[5]} {i}" for i, cols in enumerate(sts_rows(dev))]  # unique, as in tests/test_faults.py
+    texts = [cols[5] for cols in sts_rows(dev)]
     print(f"{args.clients} clients, {args.seconds:g} s, single STS-B dev sentences over gRPC")
-    print("| LATENCY_BUDGET_MS | answered ok/s | shed | other errors | accepted p50 / p99 | p99 in Triton | shed p50 |")
-    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    print(
+        "| LATENCY_BUDGET_MS | answered ok/s | shed | other errors | accepted p50 / p99 "
+        f"| accepted p99 after {ONSET_S:g} s | seconds with p99 <= {SLA_MS:g} ms | shed p50 |"
+    )
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for budget in (float(b) for b in args.budgets.split(",")):
         print(run_budget(budget, texts, args.clients, args.seconds), flush=True)
     return 0

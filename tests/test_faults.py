@@ -18,14 +18,13 @@ from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.supervisor import stub_processes
 
-from bench.burst import burst
+from bench.burst import ONSET_S, SHED, SLA_MS, burst, summarize
 
-SLA_MS = 200.0
-ACCEPTED_P99_BOUND_MS = 500.0
-"""Bound on the answered requests' p99 (client side) in a 4x overload burst. Measured on 2 cores, where this test's
-192 clients share the cores with the server: 268-356 ms with the encoder's load shedding (LATENCY_BUDGET_MS 180),
-680-730 ms without it. So the bound fails when shedding is off, but the SLA itself (200 ms) is not reliably met
-here; README "What does not work yet" says so."""
+WHOLE_BURST_P99_BOUND_MS = 1000.0
+"""Bound on the accepted requests' p99 over the whole burst, onset and any stall of the machine included (client
+side): no accepted request waits for seconds. Measured on 2 cores, where this test's 192 clients share the cores
+with the server: 195-400 ms (543 ms once, in a stall) with admission control; 680-730 ms without any shedding. The
+SLA itself is asserted second by second after the onset (bench.burst.ONSET_S, BurstSummary.window_p99_ms)."""
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +34,32 @@ def fault_server(tmp_path_factory):
         yield srv
 
 
-def test_burst_above_capacity_is_shed_and_answered_within_bounds(fault_server, sts_dev):
-    texts = [f"{p.a} {i}" for i, p in enumerate(sts_dev)]  # unique: no response-cache hits
-    results = asyncio.run(burst(fault_server.grpc_url, texts, clients=192, seconds=10.0, timeout_s=10.0))
-    outcomes = {}
-    for outcome, _, _ in results:
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    ok = np.array([ms for outcome, ms, _ in results if outcome == "ok"])
-    shed = [(ms, message) for outcome, ms, message in results if outcome == "StatusCode.UNAVAILABLE"]
-    assert set(outcomes) <= {"ok", "StatusCode.UNAVAILABLE"}, outcomes  # nothing hung, nothing else failed
-    assert len(ok) > 500, outcomes  # it kept serving
-    assert len(shed) > 100, outcomes  # 4x the SLA point: the encoder sheds what cannot finish in time
-    assert all("LATENCY_BUDGET_MS" in message for _, message in shed), shed[:3]
-    p99 = float(np.percentile(ok, 99))
-    assert p99 < ACCEPTED_P99_BOUND_MS, f"p99 of accepted requests {p99:.0f} ms; outcomes {outcomes}"
+def test_burst_above_capacity_is_refused_at_once_and_most_seconds_meet_the_sla(fault_server, sts_dev):
+    texts = [p.a for p in sts_dev]  # burst() makes every request unique: no response-cache hits
+    answers = asyncio.run(burst(fault_server.grpc_url, texts, clients=192, seconds=10.0, timeout_s=10.0))
+    summary = summarize(answers, seconds=10.0)
+    print(summary)  # shown when the test fails
+    outcomes = {outcome: sum(a.outcome == outcome for a in answers) for outcome in {a.outcome for a in answers}}
+    assert set(outcomes) <= {"ok", SHED}, outcomes  # nothing hung, nothing else failed
+    assert summary.ok > 500, summary  # it kept serving
+    assert summary.shed > 100, summary  # 4x the SLA point: what cannot finish in time is refused
+    assert all("LATENCY_BUDGET_MS" in a.message for a in answers if a.outcome == SHED)
+    # The accepted p99 is within the SLA in most seconds after the onset (the median second). Measured on these
+    # 2 shared cores: 6-9 of 9 seconds, p99 after the onset 158-226 ms; 0 of 9 (268+ ms) with the encoder's
+    # shedding alone, as before admission control. Asserting every second would fail on this machine's noise.
+    windows = len(summary.window_p99_ms)
+    assert summary.seconds_within(SLA_MS) > windows / 2, f"p99 per second after {ONSET_S:g} s: {summary}"
+    assert summary.p99_ms < WHOLE_BURST_P99_BOUND_MS, summary
+
     metrics = urllib.request.urlopen(fault_server.metrics_url).read().decode()
-    counted = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("triton_embed_shed_"))
-    assert counted == len(shed)
+    refused = {
+        line.split('model="')[1].split('"')[0]: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("triton_embed_shed_requests_total{")
+    }
+    assert sum(refused.values()) == summary.shed, refused
+    # Refused at once, by the tokenizer's admission control, not after queueing for the encoder.
+    assert refused["tokenizer"] > 0.9 * summary.shed, refused
     with EmbeddingClient(url=fault_server.grpc_url) as client:
         assert client.embed(["served normally after the burst"]).shape == (1, 384)
 

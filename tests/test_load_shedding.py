@@ -1,7 +1,12 @@
 """Load shedding end to end: an encoder that makes every request wait 400 ms sheds it, unless the request asks for
-a longer budget (request parameter ``latency_budget_ms``, set by the client's ``latency_budget_ms``)."""
+a longer budget (request parameter ``latency_budget_ms``, set by the client's ``latency_budget_ms``); and the
+tokenizer refuses at once a request queued behind more work than its budget allows (admission control)."""
 
 from __future__ import annotations
+
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -52,6 +57,34 @@ def test_a_bad_budget_parameter_is_invalid_input(late_server, value):
         client.infer("embed", [tensor], parameters={"latency_budget_ms": value})
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert f"'latency_budget_ms' must be a number >= 0 (0 = never shed); got {value!r}" in caught.value.message()
+
+
+def tokenizer_refusals(server) -> float:
+    """``triton_embed_shed_requests_total{model="tokenizer"}`` from the server's metrics (0 before the first)."""
+    metrics = urllib.request.urlopen(server.metrics_url).read().decode()
+    lines = [
+        line for line in metrics.splitlines() if line.startswith('triton_embed_shed_requests_total{model="tokenizer"')
+    ]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_server):
+    # 64 texts cut at 256 tokens: ~2 s of encoder work on 2 CPU cores; budget 0, so the bulk job itself is never shed.
+    bulk_texts = [f"bulk {i} " + "several words of a long document " * 60 for i in range(64)]
+    before = tokenizer_refusals(late_server)
+    with (
+        ThreadPoolExecutor(1) as pool,
+        EmbeddingClient(url=late_server.grpc_url, retries=0, latency_budget_ms=0) as bulk,
+        EmbeddingClient(url=late_server.grpc_url, retries=0) as interactive,
+    ):
+        job = pool.submit(bulk.embed, bulk_texts)
+        time.sleep(0.3)  # the bulk request is through the tokenizer
+        with pytest.raises(ServerUnavailableError, match="LATENCY_BUDGET_MS") as caught:
+            interactive.embed(["an interactive request behind the bulk job"])
+        assert not job.done()  # refused before the work ahead of it was done, not after queueing behind it
+        assert "of work before this request's batch" in str(caught.value)
+        assert job.result().shape == (64, 384)
+    assert tokenizer_refusals(late_server) == before + 1
 
 
 def test_the_client_checks_the_budget_before_sending():
