@@ -3,8 +3,9 @@
 Triton runs each model instance of a Python-based backend in its own stub process, so the tokenizer cannot see the
 encoder's queue. Each encoder instance therefore writes, at the start and the end of every execution, what the
 tokenizer needs to predict a new request's wait (:class:`EncoderLoad`) into
-``/dev/shm/triton-embed-<tritonserver pid>-<model>-<instance>.load``. The tokenizer reads every such file of the
-encoder model it feeds (:class:`LoadReader`).
+``/dev/shm/triton-embed-<host name>-<tritonserver pid>-<model>-<instance>.load`` (the host name keeps apart
+containers that share the host's ``/dev/shm`` with ``ipc: host``, where every server may have the same pid).
+The tokenizer reads every such file of the encoder model it feeds (:class:`LoadReader`).
 
 One writer per file; readers use a sequence lock (the writer makes the counter odd, writes, makes it even; a reader
 retries while it is odd or changed), so a reader never uses a half-written record. The files are a few hundred
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import socket
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -32,9 +35,14 @@ def board_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def _prefix(server_pid: int, model: str) -> str:
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+    return f"triton-embed-{host}-{server_pid}-{model}-"
+
+
 def board_path(server_pid: int, model: str, instance: str) -> Path:
     """Where encoder ``instance`` of ``model`` under the ``tritonserver`` process ``server_pid`` publishes."""
-    return board_dir() / f"triton-embed-{server_pid}-{model}-{instance}.load"
+    return board_dir() / f"{_prefix(server_pid, model)}{instance}.load"
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,7 @@ class LoadReader:
     """
 
     def __init__(self, server_pid: int, model: str, rescan_s: float = 1.0) -> None:
-        self.pattern = f"triton-embed-{server_pid}-{model}-*.load"
+        self.pattern = f"{_prefix(server_pid, model)}*.load"
         self.rescan_ns = int(rescan_s * 1e9)
         self._paths: list[Path] = []
         self._scanned_ns = -self.rescan_ns
