@@ -10,8 +10,10 @@ from __future__ import annotations
 import random
 import time
 
-from locust import User, constant, task
+from locust import User, task
 from triton_embed import EmbeddingClient
+from triton_embed.errors import ServerUnavailableError
+from triton_embed.transport import backoff
 
 # Task weights: the online case (one sentence per request) dominates; small batches model bulk callers.
 SINGLE_WEIGHT = 10
@@ -30,6 +32,7 @@ class TimedEmbedder:
     def __init__(self, client: EmbeddingClient, request_event) -> None:
         self.client = client
         self._fire = request_event.fire
+        self.refused_in_a_row = 0  # calls answered unavailable/overloaded since the last other answer
 
     def embed(self, texts: list[str]) -> None:
         """Embed ``texts`` once; never raises (a failure is reported to Locust instead)."""
@@ -39,6 +42,7 @@ class TimedEmbedder:
             length = self.client.embed(texts).nbytes
         except Exception as exc:  # noqa: BLE001 - every failure is a failed request for Locust, not a crash
             error = exc
+        self.refused_in_a_row = self.refused_in_a_row + 1 if isinstance(error, ServerUnavailableError) else 0
         self._fire(
             request_type=self.client.protocol,
             name=f"{self.client.model} x{len(texts)}",
@@ -52,6 +56,9 @@ class TimedEmbedder:
 class TritonUser(User):
     """One closed-loop caller: sends a request, waits for the answer, sends the next (no think time).
 
+    After a refusal (unavailable/overloaded) it waits as ``triton_embed``'s retries would (0.1 s doubling, capped at
+    2 s): a caller that came straight back would multiply the overload it is measuring.
+
     Subclasses set ``protocol``. Connection settings come from the locustfile's options
     (``--triton-host``, ``--grpc-port``/``--http-port``, ``--model``, ``--request-timeout-s``); texts from the
     corpus the locustfile loaded into ``environment.corpus``. The client does not retry: a failure is a failure.
@@ -59,7 +66,11 @@ class TritonUser(User):
 
     abstract = True
     protocol = "grpc"
-    wait_time = constant(0)
+
+    def wait_time(self) -> float:
+        """Seconds before the next task: 0, or the library's backoff after a refusal."""
+        refused = self.embedder.refused_in_a_row
+        return backoff(refused - 1, 0.1) if refused else 0.0
 
     def __init__(self, environment) -> None:
         super().__init__(environment)
