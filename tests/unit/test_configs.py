@@ -48,3 +48,9 @@ def test_tokenizer_bounds_its_queue_and_encoder_has_no_queue_policy():
     assert not encoder.dynamic_batching.HasField("default_queue_policy")  # 500 ms stalls on 2.51, see the config
     tokenizer = text_format.Parse((REPO / "tokenizer" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert tokenizer.dynamic_batching.default_queue_policy.max_queue_size > 0
+
+
+def test_the_tokenizer_admits_against_the_encoder_the_ensemble_feeds_it_to():
+    steps = parse("embed/config.pbtxt").ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["tokenizer", "encoder"]
+    assert parse("tokenizer/config.pbtxt").parameters["ADMISSION_MODEL"].string_value == steps[1].model_name
