@@ -70,6 +70,11 @@ class Refusal:
 
 NEVER = 2**62
 """Deadline of a request that may never be shed (budget 0), ns."""
+LOST_AFTER_MS = 50.0
+"""An admitted request that an idle encoder has not taken this long after its stamp never reached it (a direct
+caller of the tokenizer, a request cancelled on the way): it is forgotten, not counted as queued work. The
+tokenizer's transit to the encoder's queue is ~2-5 ms; an encoder with a batching delay (``max_queue_delay``) may
+hold requests longer, which only makes the prediction short, never a refusal."""
 
 
 @dataclass
@@ -152,7 +157,8 @@ class Backlog:
     def plan(self, loads: list[EncoderLoad], cost: CostModel, now_ns: int, transit_ms: float = 0.0) -> Plan:
         """Forget what the encoder has taken or what expired, and predict its schedule (see :class:`Plan`).
 
-        Taken: stamp <= any instance's ``newest_started_ns``. The rest runs after the soonest-free instance's
+        Taken: stamp <= any instance's ``newest_started_ns``; lost: older than :data:`LOST_AFTER_MS` while every
+        instance is idle. The rest runs after the soonest-free instance's
         running execution, in FIFO batches of ``max_rows`` texts padded to their longest text. Requests of the
         open batch whose deadline falls before even its present end are left out of its deadlines: the encoder
         will shed them whatever comes after. A request judged now reaches the encoder's queue ``transit_ms``
@@ -160,7 +166,8 @@ class Backlog:
         that, it is closed, since the new requests will miss it and wait for the next one.
         """
         newest = max((load.newest_started_ns for load in loads), default=0)
-        self._queue = deque(a for a in self._queue if a.stamp_ns > newest and a.forget_ns > now_ns)
+        lost_ns = now_ns - int(LOST_AFTER_MS * 1e6) if loads and all(not load.running_since_ns for load in loads) else 0
+        self._queue = deque(a for a in self._queue if a.stamp_ns > max(newest, lost_ns) and a.forget_ns > now_ns)
         running = min((self._running_left_ms(load, cost, now_ns) for load in loads), default=0.0)
         max_rows = max(1, max((load.max_rows for load in loads), default=1))
         plan = Plan(now_ns, running, 0, 0, [], max_rows, cost, spread=self.share / max(1, len(loads)))

@@ -213,8 +213,9 @@ class TritonPythonModel:
     def _admit(self, requests: list, per_request: list, errors: dict[int, str], arrival_ns: int) -> dict[int, str]:
         """Admission control: ``{request index: UNAVAILABLE message}`` for requests refused (see the module doc).
 
-        Requests already in ``errors`` are skipped; a bad ``latency_budget_ms`` parameter is added there
-        (INVALID_ARG). Without a published encoder load nothing is refused.
+        Requests already in ``errors`` are skipped, and so are those that do not ask for ``arrival_ns`` (direct
+        callers of this model; the ensemble asks for it); a bad ``latency_budget_ms`` parameter is added to
+        ``errors`` (INVALID_ARG). Without a published encoder load nothing is refused.
         """
         if self.loads is None:
             return {}
@@ -226,8 +227,8 @@ class TritonPythonModel:
         plan = self.backlog.plan(loads, cost, arrival_ns, transit_ms=self._transit_ms)
         refusals: dict[int, str] = {}
         for i, encs in enumerate(per_request):
-            if encs is None or i in errors:
-                continue
+            if encs is None or i in errors or ARRIVAL not in requests[i].requested_output_names():
+                continue  # a direct caller of this model, not the ensemble: nothing goes on to the encoder
             try:
                 budget = budget_from_parameters(requests[i].parameters(), latest.budget_ms)
             except BudgetError as exc:

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "common"))
 
-from admission import NEVER, OVERLOAD_MEMORY_S, Backlog, cost_of  # noqa: E402
+from admission import LOST_AFTER_MS, NEVER, OVERLOAD_MEMORY_S, Backlog, cost_of  # noqa: E402
 from cost import CostModel  # noqa: E402
 from loadboard import EncoderLoad  # noqa: E402
 
@@ -129,3 +129,15 @@ def test_the_encoders_margin_applies_only_right_after_a_late_request_or_a_refusa
     assert margin(0.5) == 1.4  # a request ran late 0.5 s ago: the tail matters now
     assert margin(OVERLOAD_MEMORY_S + 0.5) == 1.0
     assert margin(None, refused_ago_s=0.2) == 1.4
+
+
+def test_requests_an_idle_encoder_never_took_are_forgotten():
+    backlog = Backlog()
+    plan = backlog.plan([load()], COST, NOW)
+    backlog.admit(plan, NOW, rows=64, width=20, budget_ms=180)  # e.g. a direct caller of the tokenizer
+    backlog.plan([load(busy_ms=5)], COST, NOW + int(LOST_AFTER_MS * MS) + 1)  # the encoder is busy: still queued
+    assert len(backlog) == 1
+    backlog.plan([load()], COST, NOW + int(LOST_AFTER_MS * MS) - 1)  # idle, but it may still be on its way
+    assert len(backlog) == 1
+    backlog.plan([load()], COST, NOW + int(LOST_AFTER_MS * MS) + 1)
+    assert len(backlog) == 0
