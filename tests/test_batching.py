@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import reference_embed
 from helpers import counts, infer, text_tensor
-from triton_embed import EmbeddingClient
+from triton_embed import AsyncEmbeddingClient, EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer
 
 from bench.run import variant_repository
@@ -123,6 +124,25 @@ def test_two_requests_of_different_lengths_share_one_encoder_execution(windowed_
         if seen[-1] == (2, 1):
             break
     assert (2, 1) in seen, f"(texts, executions) per pair: {seen}"
+
+
+def test_tasks_sharing_one_async_client_are_not_held_back_by_its_chunk_limit(windowed_server):
+    # 16 tasks, one text each, on one client whose max_concurrency (chunks of ONE long list) is 4: all 16 requests
+    # are in flight together and meet in one 200 ms window. Were the limit applied to every request, they would
+    # go 4 at a time, one window each: 4 executions.
+    url = windowed_server.grpc_url
+
+    async def run() -> list:
+        async with AsyncEmbeddingClient(url=url, retries=0, max_concurrency=4) as client:
+            await client.embed(["warm the config"])
+            before = counts(url, "encoder")
+            results = await asyncio.gather(*(client.embed([f"task {i} of sixteen"]) for i in range(16)))
+            return results, before, counts(url, "encoder")
+
+    results, before, after = asyncio.run(run())
+    assert all(r.shape == (1, 384) for r in results)
+    texts, executions = after[0] - before[0], after[1] - before[1]
+    assert texts == 16 and executions <= 2, (texts, executions)
 
 
 @pytest.mark.parametrize("sizes", [(2, 3, 1), (64, 1), (7, 7, 7, 7)])

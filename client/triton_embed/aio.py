@@ -30,7 +30,8 @@ class AsyncEmbeddingClient(ClientBase):
             vectors = await client.embed(["A man plays a guitar."])  # (1, 384) float32
 
     One client may be shared by any number of tasks of ONE event loop (its connection belongs to the loop that
-    made the first call). Chunks of a long list are sent concurrently (``max_concurrency`` at a time).
+    made the first call); their requests are not limited here, as with the sync client's threads. Chunks of one
+    long list are sent concurrently, ``max_concurrency`` at a time.
     """
 
     def _protocol_module(self, protocol: str):
@@ -44,7 +45,6 @@ class AsyncEmbeddingClient(ClientBase):
         self._coalescer = AsyncCoalescer() if self.settings.coalesce else None
         self._shm = ShmPool() if self.settings.use_shared_memory else None
         self._client = None
-        self._semaphore: asyncio.Semaphore | None = None
 
     def _conn(self):
         if self._closed:
@@ -55,7 +55,6 @@ class AsyncEmbeddingClient(ClientBase):
             else:
                 t = self.settings.timeout_s
                 self._client = self._module.InferenceServerClient(self.url, conn_timeout=t)
-            self._semaphore = asyncio.Semaphore(self.settings.max_concurrency)
         return self._client
 
     async def _call(self, method: str, *args, **kwargs):
@@ -96,16 +95,15 @@ class AsyncEmbeddingClient(ClientBase):
     async def _embed_chunks(self, items: list[str]) -> np.ndarray:
         step, dim = max_batch_and_dim(await self._model_config())
         chunks = [items[i : i + step] for i in range(0, len(items), step)]
-        parts = await asyncio.gather(*(self._infer_with_retries(c, dim) for c in chunks))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(chunks) == 1:
+            return await self._retrying(self._infer_once, chunks[0], dim)
+        limit = asyncio.Semaphore(self.settings.max_concurrency)  # this list's chunks only
 
-    async def _infer_with_retries(self, texts: list[str], dim: int) -> np.ndarray:
-        return await self._retrying(self._limited_infer, texts, dim)
+        async def chunk(texts: list[str]) -> np.ndarray:
+            async with limit:
+                return await self._retrying(self._infer_once, texts, dim)
 
-    async def _limited_infer(self, texts: list[str], dim: int) -> np.ndarray:
-        self._conn()  # makes the semaphore on first use
-        async with self._semaphore:
-            return await self._infer_once(texts, dim)
+        return np.concatenate(await asyncio.gather(*(chunk(c) for c in chunks)))
 
     async def _retrying(self, fn, *args, **kwargs):
         """``await fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
