@@ -11,6 +11,9 @@ from triton_embed.server_stats import StepStats
 from loadtest.gate import GateResult, Sample, percentiles, timeline, window
 from loadtest.stages import Stage, culprit
 
+TRITON_FAILURE_COUNTS = 2
+"""How many times Triton 2.51's statistics count one failed request of an ensemble (see :func:`build`)."""
+
 
 def by_name(samples: list[Sample]) -> list[dict]:
     """Per ``(request_type, name)``: requests, failures, p50/p99 of the successes (ms), sorted by name."""
@@ -102,10 +105,11 @@ def build(
 
     ``count_check`` compares Locust's requests over the whole run with the ensemble's successes plus failures in
     Triton's statistics over the same run: they must agree (within 1%) for the stage breakdown to describe the
-    requests the gate judged.
+    requests the gate judged. Triton 2.51 counts every failed ensemble request twice (seen: one HTTP 400 adds 2 to
+    ``fail`` and to ``nv_inference_request_failure``; 28,209 refusals showed 56,418), so its failures are halved.
     """
     embed = steps_run.get("embed")
-    triton_requests = embed.requests + embed.failures if embed else None
+    triton_requests = embed.requests + embed.failures // TRITON_FAILURE_COUNTS if embed else None
     blamed = culprit(stages)
     return {
         "run": run,

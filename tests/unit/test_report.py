@@ -80,3 +80,11 @@ def test_a_report_without_triton_statistics_still_has_the_verdict(tmp_path):
     report.write(data, tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert text.count("SLA PASS") == 1 and "could not be read at the end of the run" in text
+
+
+def test_the_count_check_allows_for_triton_counting_each_failed_ensemble_request_twice():
+    # 200 requests as Locust saw them: Triton 2.51 reports 190 successes and 20 failures for 10 failed requests.
+    embed = StepStats("embed", 190, 2 * 10, 15.0, 190, 190, 1.0, 0.0, 10.0, 0.0, 0)
+    data = make({"embed": embed, "tokenizer": step("tokenizer", 200), "encoder": step("encoder", 190)})
+    assert data["count_check"]["triton_requests"] == 200
+    assert data["count_check"]["relative_difference"] == 0.0
