@@ -10,7 +10,8 @@ The tokenizer reads every such file of the encoder model it feeds (:class:`LoadR
 One writer per file; readers use a sequence lock (the writer makes the counter odd, writes, makes it even; a reader
 retries while it is odd or changed), so a reader never uses a half-written record. The files are a few hundred
 bytes; the encoder removes its own at ``finalize``. A file left by a killed stub is overwritten by its successor
-(same instance name) and its stale figures only make one prediction off.
+(same instance name) and its stale figures only make one prediction off; files of servers that are gone (killed
+without unloading) are removed by the next encoder that starts on the host (:func:`remove_stale`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,29 @@ def board_dir() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())  # no "-": the name's fields are split on it
+
+
 def _prefix(server_pid: int, model: str) -> str:
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
-    return f"triton-embed-{host}-{server_pid}-{model}-"
+    return f"triton-embed-{_host()}-{server_pid}-{model}-"
+
+
+def remove_stale() -> list[Path]:
+    """Remove this host's board files whose server process no longer exists; returns the paths removed."""
+    removed = []
+    for path in board_dir().glob(f"triton-embed-{_host()}-*.load"):
+        pid = path.name.split("-")[3]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
 
 
 def board_path(server_pid: int, model: str, instance: str) -> Path:

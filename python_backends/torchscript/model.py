@@ -47,7 +47,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from cost import CostModel
-from loadboard import EncoderLoad, LoadBoard, board_path
+from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
 from runners import BucketedRunner
 from shedding import BudgetError, budget_from_parameters, choose_shed
 
@@ -177,6 +177,7 @@ class TritonPythonModel:
         self._newest_started_ns = 0
         self._late_ns = 0
         try:  # the stub's parent is the tritonserver process, which names the board for the tokenizer
+            remove_stale()
             self.board = LoadBoard(board_path(os.getppid(), args["model_name"], args["model_instance_name"]))
         except OSError as exc:
             self.board = None

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
 COMMON = Path(__file__).resolve().parents[2] / "python_backends" / "common"
 sys.path.insert(0, str(COMMON))
 
-from loadboard import EncoderLoad, LoadBoard, LoadReader, board_dir, board_path, read_load  # noqa: E402
+from loadboard import EncoderLoad, LoadBoard, LoadReader, board_dir, board_path, read_load, remove_stale  # noqa: E402
 
 SAMPLE = EncoderLoad(
     pid=42,
@@ -75,3 +76,18 @@ def test_the_reader_finds_every_instance_of_its_model_and_server_only():
     finally:
         for board in boards:
             board.close()
+
+
+def test_files_of_servers_that_are_gone_are_removed():
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+    )
+    dead_pid = int(gone.stdout)  # that process has exited
+    dead = LoadBoard(board_path(dead_pid, "encoder", "encoder_0_0"))
+    live = LoadBoard(board_path(os.getpid(), "encoder", "encoder_0_0"))
+    try:
+        assert dead.path in remove_stale()
+        assert not dead.path.exists() and live.path.exists()
+    finally:
+        dead.close()
+        live.close()
