@@ -45,7 +45,7 @@ def test_burst_above_capacity_is_refused_at_once_and_most_seconds_meet_the_sla(f
     assert summary.shed > 100, summary  # 4x the SLA point: what cannot finish in time is refused
     assert all("LATENCY_BUDGET_MS" in a.message for a in answers if a.outcome == SHED)
     # The accepted p99 is within the SLA in most seconds after the onset (the median second). Measured on these
-    # 2 shared cores: 6-9 of 9 seconds, p99 after the onset 158-226 ms; 0 of 9 (268+ ms) with the encoder's
+    # 2 shared cores: 5-9 of 9 seconds, p99 after the onset 158-226 ms; 0 of 9 (268+ ms) with the encoder's
     # shedding alone, as before admission control. Asserting every second would fail on this machine's noise.
     windows = len(summary.window_p99_ms)
     assert summary.seconds_within(SLA_MS) > windows / 2, f"p99 per second after {ONSET_S:g} s: {summary}"
