@@ -57,11 +57,13 @@ class StubWatchdog:
         self.admin_key = admin_key
         self.interval_s = interval_s
         self.reloads: list[tuple[str, float]] = []
+        self._known: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="triton-embed-stub-watchdog", daemon=True)
 
     def start(self) -> StubWatchdog:
-        """Start watching."""
+        """Start watching: the stubs alive now are the ones watched, so one that dies right after is reloaded."""
+        self._known = stub_processes(self.server_pid)  # here, not in the thread: a kill may come before it runs
         self._thread.start()
         return self
 
@@ -72,7 +74,7 @@ class StubWatchdog:
             self._thread.join(timeout=120)
 
     def _run(self) -> None:
-        known = stub_processes(self.server_pid)
+        known = self._known
         while not self._stop.wait(self.interval_s):
             try:
                 known = self._tick(known)
