@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from cost import CostModel
 from loadboard import EncoderLoad
-from shedding import BIG_REQUEST_FACTOR
+from shedding import BIG_REQUEST_FACTOR, overloaded
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class Refusal:
 
     def message(self) -> str:
         """The UNAVAILABLE message the client sees; names the limit, the prediction and the knobs."""
-        return (
-            f"overloaded: the encoder has ~{self.ahead_ms:.0f} ms of work before this request's batch, which would "
-            f"run ~{self.batch_ms:.0f} ms and end past the {self.budget_ms:g} ms latency budget (LATENCY_BUDGET_MS, "
-            "sized to the SLA; request parameter latency_budget_ms overrides it, 0 = never shed). Retry with backoff"
+        return overloaded(
+            f"the encoder has ~{self.ahead_ms:.0f} ms of work before this request's batch, which would run "
+            f"~{self.batch_ms:.0f} ms and end past",
+            self.budget_ms,
         )
 
 

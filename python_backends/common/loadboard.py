@@ -22,10 +22,11 @@ import re
 import socket
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
-_FORMAT = struct.Struct("<QqqqqqdddddI")  # seq, pid, 4 times (ns), 5 floats, max_rows
+# seq, then EncoderLoad's fields in their order: pid, 4 times (ns), 5 floats, max_rows
+_FORMAT = struct.Struct("<QqqqqqdddddI")
 _SIZE = 128
 _READ_TRIES = 8
 
@@ -118,20 +119,7 @@ class LoadBoard:
         """Write ``load`` under the sequence lock (a few microseconds)."""
         self._seq += 1  # odd: readers retry
         struct.pack_into("<Q", self._map, 0, self._seq)
-        fields = (
-            load.pid,
-            load.updated_ns,
-            load.running_since_ns,
-            load.newest_started_ns,
-            load.late_ns,
-            load.running_ms,
-            load.fixed_ms,
-            load.ms_per_token,
-            load.margin,
-            load.budget_ms,
-            load.max_rows,
-        )
-        self._map[8 : _FORMAT.size] = _FORMAT.pack(self._seq, *fields)[8:]
+        self._map[8 : _FORMAT.size] = _FORMAT.pack(self._seq, *astuple(load))[8:]  # fields in _FORMAT's order
         self._seq += 1  # even: consistent
         struct.pack_into("<Q", self._map, 0, self._seq)
 

@@ -22,6 +22,22 @@ BIG_REQUEST_FACTOR = 4.0
 of 64 texts at once by default) has each chunk wait for up to 3 others, which is not overload."""
 MIN_WAIT_FRACTION = 0.5
 """A request is shed only after waiting at least this share of the latency budget (see :func:`choose_shed`)."""
+SHED_METRIC = "triton_embed_shed_requests_total"
+"""Counter of requests refused (tokenizer) or shed (encoder), labelled ``model``: the same family for both."""
+SHED_METRIC_HELP = "Requests answered UNAVAILABLE because they could not finish within LATENCY_BUDGET_MS"
+
+
+def overloaded(cause: str, budget_ms: float) -> str:
+    """The UNAVAILABLE message for a request refused or shed, naming the budget it breaks and the knobs.
+
+    Args:
+        cause: the prediction, ending in the word that leads to the budget (e.g. "... needs ~90 ms, over").
+        budget_ms: the request's latency budget, ms.
+    """
+    return (
+        f"overloaded: {cause} the {budget_ms:g} ms latency budget (LATENCY_BUDGET_MS, sized to the SLA; request "
+        "parameter latency_budget_ms overrides it, 0 = never shed). Retry with backoff"
+    )
 
 
 def choose_shed(

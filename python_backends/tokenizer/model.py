@@ -49,7 +49,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from admission import Backlog, cost_of
 from loadboard import LoadReader
-from shedding import BudgetError, budget_from_parameters
+from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters
 from tokenizers import Tokenizer
 
 INPUT = "TEXT"
@@ -142,9 +142,7 @@ class TritonPythonModel:
         self._transit_ms = 1.0  # moving average: this execute's duration + ENSEMBLE_HOP_MS (see _admit)
         self._refused_ns = 0  # when this instance last refused a request (monotonic ns)
         self._shed_family = pb_utils.MetricFamily(
-            name="triton_embed_shed_requests_total",
-            description="Requests answered UNAVAILABLE because they could not finish within LATENCY_BUDGET_MS",
-            kind=pb_utils.MetricFamily.COUNTER,
+            name=SHED_METRIC, description=SHED_METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
         )
         self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
 

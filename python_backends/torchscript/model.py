@@ -49,7 +49,7 @@ from buckets import BucketConfigError, settings_from_model_config
 from cost import CostModel
 from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
 from runners import BucketedRunner
-from shedding import BudgetError, budget_from_parameters, choose_shed
+from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, choose_shed, overloaded
 
 INPUTS = ("input_ids", "attention_mask")
 ARRIVAL = "arrival_ns"
@@ -298,12 +298,10 @@ class TritonPythonModel:
         estimate = self.cost.estimate_ms(sum(rows), max(widths)) if shed else 0.0
         for k in shed:
             i = live[k]
-            errors[i] = pb_utils.TritonError(
-                f"overloaded: the request waited {waited[k]:.0f} ms before the encoder and its batch needs ~"
-                f"{estimate:.0f} ms, over the {budgets[i]:g} ms latency budget (LATENCY_BUDGET_MS, sized to the "
-                "SLA; request parameter latency_budget_ms overrides it, 0 = never shed). Retry with backoff",
-                pb_utils.TritonError.UNAVAILABLE,
+            cause = (
+                f"the request waited {waited[k]:.0f} ms before the encoder and its batch needs ~{estimate:.0f} ms, over"
             )
+            errors[i] = pb_utils.TritonError(overloaded(cause, budgets[i]), pb_utils.TritonError.UNAVAILABLE)
             pieces[i] = None
         if shed:
             self._metrics.shed(len(shed))
@@ -331,11 +329,7 @@ class _BucketMetrics:
             description="Tokens the encoder computed including padding (padded batch x padded length)",
             kind=counter,
         )
-        self._shed = pb_utils.MetricFamily(
-            name="triton_embed_shed_requests_total",
-            description="Requests answered UNAVAILABLE because they could not finish within LATENCY_BUDGET_MS",
-            kind=counter,
-        )
+        self._shed = pb_utils.MetricFamily(name=SHED_METRIC, description=SHED_METRIC_HELP, kind=counter)
         self._shed_metric = self._shed.Metric(labels={"model": model})
         self._real_metric = self._real.Metric(labels={"model": model})
         self._padded_metric = self._padded.Metric(labels={"model": model})
