@@ -61,7 +61,7 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
         one :class:`Answer` per request; ``hung`` when no answer came within ``timeout_s + 5`` s.
     """
     import tritonclient.grpc.aio as grpcaio
-    from triton_embed.transport import backoff
+    from triton_embed.transport import DEFAULT_BACKOFF_S, backoff, text_tensor
     from tritonclient.utils import InferenceServerException
 
     client = grpcaio.InferenceServerClient(url)
@@ -73,8 +73,7 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
         n, shed_in_a_row = i, 0
         while time.monotonic() < stop_at:
             tensor = grpcaio.InferInput("TEXT", [1, 1], "BYTES")
-            text = f"{texts[n % len(texts)]} {n}"
-            tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
+            tensor.set_data_from_numpy(text_tensor([f"{texts[n % len(texts)]} {n}"]))
             n += clients
             start = time.perf_counter()
             try:
@@ -84,7 +83,7 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
             except InferenceServerException as exc:
                 ms = (time.perf_counter() - start) * 1000
                 results.append(Answer(str(exc.status()), ms, exc.message(), start - began))
-                await asyncio.sleep(backoff(shed_in_a_row, 0.1))  # a shed client backs off as triton_embed does
+                await asyncio.sleep(backoff(shed_in_a_row, DEFAULT_BACKOFF_S))  # as triton_embed's retries do
                 shed_in_a_row += 1
             except TimeoutError:
                 results.append(Answer("hung", (time.perf_counter() - start) * 1000, "", start - began))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from triton_embed.transport import backoff
+from triton_embed.transport import DEFAULT_BACKOFF_S, backoff
 
 Sender = Callable[[str], None]
 
@@ -61,7 +61,7 @@ def closed_loop(
                 send(text)
             except Exception:  # noqa: BLE001 - counted, the run goes on
                 errors[i] += 1
-                time.sleep(backoff(failed_in_a_row, 0.1))
+                time.sleep(backoff(failed_in_a_row, DEFAULT_BACKOFF_S))
                 failed_in_a_row += 1
                 continue
             failed_in_a_row = 0

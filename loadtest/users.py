@@ -13,7 +13,7 @@ import time
 from locust import User, task
 from triton_embed import EmbeddingClient
 from triton_embed.errors import ServerUnavailableError
-from triton_embed.transport import backoff
+from triton_embed.transport import DEFAULT_BACKOFF_S, backoff
 
 # Task weights: the online case (one sentence per request) dominates; small batches model bulk callers.
 SINGLE_WEIGHT = 10
@@ -70,7 +70,7 @@ class TritonUser(User):
     def wait_time(self) -> float:
         """Seconds before the next task: 0, or the library's backoff after a refusal."""
         refused = self.embedder.refused_in_a_row
-        return backoff(refused - 1, 0.1) if refused else 0.0
+        return backoff(refused - 1, DEFAULT_BACKOFF_S) if refused else 0.0
 
     def __init__(self, environment) -> None:
         super().__init__(environment)

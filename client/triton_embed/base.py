@@ -6,7 +6,14 @@ import threading
 
 from triton_embed.errors import EmbeddingError
 from triton_embed.shm import Region, ShmPool
-from triton_embed.transport import ClientStats, Counters, RequestBuilder, Settings, disable_shared_memory_warning
+from triton_embed.transport import (
+    DEFAULT_BACKOFF_S,
+    ClientStats,
+    Counters,
+    RequestBuilder,
+    Settings,
+    disable_shared_memory_warning,
+)
 
 
 class ClientBase:
@@ -20,7 +27,7 @@ class ClientBase:
         model: str = "embed",
         timeout_s: float = 30.0,
         retries: int = 2,
-        backoff_s: float = 0.1,
+        backoff_s: float = DEFAULT_BACKOFF_S,
         binary: bool = True,
         use_shared_memory: bool = False,
         coalesce: bool = False,

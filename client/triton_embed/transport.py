@@ -22,6 +22,8 @@ PROTOCOL_ENV = "TRITON_EMBED_PROTOCOL"
 INPUT = "TEXT"
 OUTPUT = "EMBEDDING"
 MAX_BACKOFF_S = 2.0
+DEFAULT_BACKOFF_S = 0.1
+"""First wait before a retry, seconds (``backoff_s``); it doubles per attempt up to :data:`MAX_BACKOFF_S`."""
 
 
 def normalise_url(url: str) -> str:
