@@ -101,3 +101,15 @@ def post_status(url: str, headers: dict | None = None) -> int:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page as ``{'name{labels}': value}`` (comments left out)."""
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - our own loopback server
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples

@@ -9,11 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 from conftest import reference_embed
+from helpers import scrape
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.supervisor import stub_processes
@@ -51,15 +51,11 @@ def test_burst_above_capacity_is_refused_at_once_and_most_seconds_meet_the_sla(f
     assert summary.seconds_within(SLA_MS) > windows / 2, f"p99 per second after {ONSET_S:g} s: {summary}"
     assert summary.p99_ms < WHOLE_BURST_P99_BOUND_MS, summary
 
-    metrics = urllib.request.urlopen(fault_server.metrics_url).read().decode()
-    refused = {
-        line.split('model="')[1].split('"')[0]: float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith("triton_embed_shed_requests_total{")
-    }
+    metric = "triton_embed_shed_requests_total"
+    refused = {k: v for k, v in scrape(fault_server.metrics_url).items() if k.startswith(f"{metric}{{")}
     assert sum(refused.values()) == summary.shed, refused
     # Refused at once, by the tokenizer's admission control, not after queueing for the encoder.
-    assert refused["tokenizer"] > 0.9 * summary.shed, refused
+    assert refused[f'{metric}{{model="tokenizer"}}'] > 0.9 * summary.shed, refused
     with EmbeddingClient(url=fault_server.grpc_url) as client:
         assert client.embed(["served normally after the burst"]).shape == (1, 384)
 

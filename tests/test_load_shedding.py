@@ -5,13 +5,12 @@ tokenizer refuses at once a request queued behind more work than its budget allo
 from __future__ import annotations
 
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from helpers import text_tensor
+from helpers import scrape, text_tensor
 from triton_embed import EmbeddingClient
 from triton_embed.errors import ServerUnavailableError
 from triton_embed_server.embedded import EmbeddedServer
@@ -61,11 +60,7 @@ def test_a_bad_budget_parameter_is_invalid_input(late_server, value):
 
 def tokenizer_refusals(server) -> float:
     """``triton_embed_shed_requests_total{model="tokenizer"}`` from the server's metrics (0 before the first)."""
-    metrics = urllib.request.urlopen(server.metrics_url).read().decode()
-    lines = [
-        line for line in metrics.splitlines() if line.startswith('triton_embed_shed_requests_total{model="tokenizer"')
-    ]
-    return float(lines[0].split()[-1]) if lines else 0.0
+    return scrape(server.metrics_url).get('triton_embed_shed_requests_total{model="tokenizer"}', 0.0)
 
 
 def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_server):

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import re
 import secrets
-import urllib.request
 
+from helpers import scrape
 from triton_embed import EmbeddingClient
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - our own loopback server
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def bucket_samples(samples: dict[str, float]) -> dict[str, float]:
