@@ -22,10 +22,11 @@ request failed or cancelled on the way never reaches the encoder; this also ends
 restart).
 
 Costs are typical (margin 1) unless the encoder has just run a request late or this tokenizer has just refused one:
-then the encoder's margin applies (:func:`cost_of`).
+then the encoder's margin applies (:func:`cost_of`). And the batch must end within a share of the budget
+(``target.py``), which the encoder lowers when its requests run late and at the start of a busy period.
 
-Measured (docs/benchmarks.md, ``python -m bench.burst``): a 192-client burst on 2 CPU cores gets refusals in ~5 ms
-instead of ~220 ms, and accepted p99 158-226 ms after its first second (268-356 ms with the encoder's shedding alone).
+Measured (docs/benchmarks.md, ``python -m bench.burst``): a 192-client burst on 2 CPU cores gets refusals in ~7 ms
+instead of ~220 ms, and accepted p99 199-250 ms after its first second (268-356 ms with the encoder's shedding alone).
 
 Pure Python (no torch, no Triton): tests/unit/test_admission.py.
 """
@@ -106,13 +107,13 @@ class Plan:
         """Predicted run time of one execution of ``rows`` texts padded to ``width`` tokens, ms (0 for none)."""
         return self.cost.estimate_ms(rows, width) if rows else 0.0
 
-    def judge(self, rows: int, width: int, budget_ms: float) -> Refusal | None:
+    def judge(self, rows: int, width: int, budget_ms: float, share: float = 1.0) -> Refusal | None:
         """Refuse a request of ``rows`` texts (longest ``width`` tokens) arriving now with ``budget_ms``?
 
         It joins the open batch if the texts fit, else opens the next one. Refused when the budget is on (> 0), the
         request is not big by itself (``BIG_REQUEST_FACTOR`` x its own run < budget), and the batch it joins would
-        end past its own deadline (budget from now) or the deadline of a request already in that batch (which it
-        would delay).
+        end past its own target (``share`` x budget from now; :class:`target.AdmissionTarget`) or the deadline of a
+        request already in that batch (which it would delay).
         """
         own = self.cost.estimate_ms(rows, width)
         if budget_ms <= 0 or BIG_REQUEST_FACTOR * own >= budget_ms:
@@ -122,7 +123,7 @@ class Plan:
             ahead, joined, deadlines = ahead + self.spread * self.batch_ms_of(self.rows, self.width), (0, 0), []
         batch_ms = self.batch_ms_of(joined[0] + rows, max(joined[1], width))
         end_ns = self.now_ns + int(1e6 * (ahead + batch_ms))
-        if end_ns <= min([self.now_ns + int(1e6 * budget_ms), *deadlines]):
+        if end_ns <= min([self.now_ns + int(1e6 * share * budget_ms), *deadlines]):
             return None
         return Refusal(ahead, batch_ms, budget_ms)
 
@@ -181,10 +182,14 @@ class Backlog:
 
     @staticmethod
     def _running_left_ms(load: EncoderLoad, cost: CostModel, now_ns: int) -> float:
-        """What is left of an instance's running execution, ms, with ``cost``'s margin (0 when idle)."""
+        """What is left of an instance's running execution, ms, with ``cost``'s margin (0 when idle).
+
+        One that has outlasted its typical duration is given ``margin - 1`` times what it has run so far.
+        """
         if not load.running_since_ns:
             return 0.0
-        return max(0.0, cost.margin * load.running_ms - (now_ns - load.running_since_ns) / 1e6)
+        elapsed_ms = (now_ns - load.running_since_ns) / 1e6
+        return max(0.0, cost.margin * max(load.running_ms, elapsed_ms) - elapsed_ms)
 
     def admit(self, plan: Plan, stamp_ns: int, rows: int, width: int, budget_ms: float) -> None:
         """Remember an admitted request (and add it to ``plan``) until the encoder takes it or it expires.
@@ -207,8 +212,9 @@ def cost_of(loads: list[EncoderLoad], now_ns: int, refused_ns: int = 0) -> CostM
     """The encoder's execution-time model as its latest publication gives it, with the margin it calls for now.
 
     Cautious (the encoder's ``margin``, sized to the slow tail of executions) when some instance had a request
-    finish late or shed, or this tokenizer refused one (at ``refused_ns``), within :data:`OVERLOAD_MEMORY_S`;
-    otherwise plain (margin 1: the typical execution), so
+    finish late or shed, or this tokenizer refused one (at ``refused_ns``), within :data:`OVERLOAD_MEMORY_S`, or
+    when an instance's running execution has already outlasted its typical duration (the cores are slower than the
+    model right now); otherwise plain (margin 1: the typical execution), so
     that a load the encoder serves in time is not refused on a pessimistic guess. This is the idea of CoDel
     (Nichols and Jacobson, 2012): act on a standing queue, not on a passing one. Measured on 2 CPU cores: with the
     margin always on, 16 closed-loop users at p99 ~150 ms were refused 0.3-3.7% of their requests; without it ever,
@@ -216,6 +222,7 @@ def cost_of(loads: list[EncoderLoad], now_ns: int, refused_ns: int = 0) -> CostM
     """
     latest = max(loads, key=lambda load: load.updated_ns)
     marks = [load.late_ns for load in loads] + [refused_ns]
-    cautious = any(0 < now_ns - mark < OVERLOAD_MEMORY_S * 1e9 for mark in marks if mark)
+    overrun = any(load.running_since_ns and now_ns - load.running_since_ns > load.running_ms * 1e6 for load in loads)
+    cautious = overrun or any(0 < now_ns - mark < OVERLOAD_MEMORY_S * 1e9 for mark in marks if mark)
     margin = latest.margin if cautious else 1.0
     return CostModel(ms_per_token=latest.ms_per_token, fixed_ms=latest.fixed_ms, margin=margin)

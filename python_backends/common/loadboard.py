@@ -25,8 +25,8 @@ import tempfile
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-# seq, then EncoderLoad's fields in their order: pid, 4 times (ns), 5 floats, max_rows
-_FORMAT = struct.Struct("<QqqqqqdddddI")
+# seq, then EncoderLoad's fields in their order: pid, 4 times (ns), 6 floats, max_rows
+_FORMAT = struct.Struct("<QqqqqqddddddI")
 _SIZE = 128
 _READ_TRIES = 8
 
@@ -81,6 +81,7 @@ class EncoderLoad:
         late_ns: when a request here last finished past its latency budget or was shed (monotonic ns; 0 = never).
         fixed_ms, ms_per_token, margin: the encoder's execution-time model (:class:`cost.CostModel`).
         budget_ms: its ``LATENCY_BUDGET_MS`` (0 = no shedding).
+        admit_share: the share of a request's budget that admission may plan to fill (:class:`target.AdmissionTarget`).
         max_rows: the most texts one execution takes (the encoder's ``max_batch_size``).
     """
 
@@ -94,6 +95,7 @@ class EncoderLoad:
     ms_per_token: float
     margin: float
     budget_ms: float
+    admit_share: float
     max_rows: int
 
 

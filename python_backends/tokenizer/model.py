@@ -13,7 +13,8 @@ longer finish in time (``LATENCY_BUDGET_MS``, encoder config).
 
 Admission control (``common/admission.py``): before answering, each request's finish is predicted from the load the
 encoder named by ``ADMISSION_MODEL`` publishes (``common/loadboard.py``) plus the requests admitted here that it has
-not taken yet; a request that would miss the encoder's latency budget is refused at once (UNAVAILABLE, counted in
+not taken yet; a request that would miss the encoder's latency budget (or the share of it that the encoder's
+lateness feedback allows, ``common/target.py``) is refused at once (UNAVAILABLE, counted in
 ``triton_embed_shed_requests_total{model="tokenizer"}``) instead of queueing ~200 ms to be shed there. A
 request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a
 text over max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
@@ -50,6 +51,7 @@ import triton_python_backend_utils as pb_utils
 from admission import Backlog, cost_of
 from loadboard import LoadReader
 from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters
+from target import share_of
 from tokenizers import Tokenizer
 
 INPUT = "TEXT"
@@ -221,6 +223,7 @@ class TritonPythonModel:
         if not loads:
             return {}
         latest = max(loads, key=lambda load: load.updated_ns)
+        share = share_of(loads, arrival_ns)
         cost = cost_of(loads, arrival_ns, refused_ns=self._refused_ns)
         plan = self.backlog.plan(loads, cost, arrival_ns, transit_ms=self._transit_ms)
         refusals: dict[int, str] = {}
@@ -233,7 +236,7 @@ class TritonPythonModel:
                 errors[i] = str(exc)
                 continue
             rows, width = len(encs), max(len(e.ids) for e in encs)
-            refusal = plan.judge(rows, width, budget)
+            refusal = plan.judge(rows, width, budget, share)
             if refusal is not None:
                 refusals[i] = refusal.message()
             else:

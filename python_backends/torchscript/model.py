@@ -50,6 +50,7 @@ from cost import CostModel
 from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
 from runners import BucketedRunner
 from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, choose_shed, overloaded
+from target import IDLE_SPELL_MS, AdmissionTarget
 
 INPUTS = ("input_ids", "attention_mask")
 ARRIVAL = "arrival_ns"
@@ -176,6 +177,8 @@ class TritonPythonModel:
         self.max_rows = int(self.model_config.get("max_batch_size", 0)) or 1
         self._newest_started_ns = 0
         self._late_ns = 0
+        self.target = AdmissionTarget()  # the share of the budget the tokenizer may plan with, steered by lateness
+        self._ended_ns = 0  # end of the last execution (monotonic ns)
         try:  # the stub's parent is the tritonserver process, which names the board for the tokenizer
             remove_stale()
             self.board = LoadBoard(board_path(os.getppid(), args["model_name"], args["model_instance_name"]))
@@ -231,6 +234,7 @@ class TritonPythonModel:
                 ms_per_token=self.cost.ms_per_token,
                 margin=self.cost.margin,
                 budget_ms=self.latency_budget_ms,
+                admit_share=self.target.share,
                 max_rows=self.max_rows,
             )
         )
@@ -238,6 +242,8 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         """Validate each request, shed late ones, run the rest as one padded batch; one response per request."""
         now_ns = time.monotonic_ns()
+        if now_ns - self._ended_ns >= IDLE_SPELL_MS * 1e6:
+            self.target.woke()  # a busy period begins: the cost model was taught by another load
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
         budgets: list[float] = []
@@ -252,8 +258,7 @@ class TritonPythonModel:
                 budget, piece = 0.0, None
             budgets.append(budget)
             pieces.append(piece)
-        if any(budgets):
-            self._shed_late(pieces, errors, now_ns, stamps, budgets)
+        late = any(budgets) and self._shed_late(pieces, errors, now_ns, stamps, budgets) > 0
 
         valid = [p for p in pieces if p is not None]
         embeddings = None
@@ -273,7 +278,11 @@ class TritonPythonModel:
             piece is not None and stamp is not None and 0 < budget < (end_ns - stamp) / 1e6
             for piece, stamp, budget in zip(pieces, stamps, budgets, strict=True)
         ):
-            self._late_ns = end_ns
+            self._late_ns, late = end_ns, True
+        if any(budget and stamp for budget, stamp in zip(budgets, stamps, strict=True)):
+            self.target.executed(late)  # the tokenizer's share of the budget (common/target.py)
+            self._metrics.share(self.target.share)
+        self._ended_ns = end_ns
         self._publish()
 
         responses = []
@@ -288,8 +297,8 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
         return responses
 
-    def _shed_late(self, pieces: list, errors: dict, now_ns: int, stamps: list, budgets: list[float]) -> None:
-        """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place)."""
+    def _shed_late(self, pieces: list, errors: dict, now_ns: int, stamps: list, budgets: list[float]) -> int:
+        """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place); returns how many."""
         live = [i for i, p in enumerate(pieces) if p is not None]
         waited = [None if stamps[i] is None else (now_ns - stamps[i]) / 1e6 for i in live]
         rows = [pieces[i][0].shape[0] for i in live]
@@ -306,6 +315,7 @@ class TritonPythonModel:
         if shed:
             self._metrics.shed(len(shed))
             self._late_ns = now_ns
+        return len(shed)
 
 
 class _BucketMetrics:
@@ -330,6 +340,13 @@ class _BucketMetrics:
             kind=counter,
         )
         self._shed = pb_utils.MetricFamily(name=SHED_METRIC, description=SHED_METRIC_HELP, kind=counter)
+        self._share = pb_utils.MetricFamily(
+            name="triton_embed_admission_share",
+            description="Share of the latency budget the tokenizer's admission control plans with (lowered by late "
+            "requests and at the start of a busy period)",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self._share_metric = self._share.Metric(labels={"model": model})
         self._shed_metric = self._shed.Metric(labels={"model": model})
         self._real_metric = self._real.Metric(labels={"model": model})
         self._padded_metric = self._padded.Metric(labels={"model": model})
@@ -345,6 +362,10 @@ class _BucketMetrics:
         self._real_metric.increment(real_tokens)
         self._padded_metric.increment(padded_tokens)
 
+    def share(self, value: float) -> None:
+        """Set the admission share gauge (0..1)."""
+        self._share_metric.set(value)
+
     def shed(self, requests: int) -> None:
         """Count requests shed by the queue budget."""
         self._shed_metric.increment(requests)
@@ -352,5 +373,5 @@ class _BucketMetrics:
     def close(self) -> None:
         """Drop metrics, then families."""
         self._by_bucket.clear()
-        self._real_metric = self._padded_metric = self._shed_metric = None
-        self._executions = self._real = self._padded = self._shed = None
+        self._real_metric = self._padded_metric = self._shed_metric = self._share_metric = None
+        self._executions = self._real = self._padded = self._shed = self._share = None

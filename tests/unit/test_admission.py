@@ -21,7 +21,7 @@ MS = 1_000_000
 def load(busy_ms: float = 0.0, newest_started_ns: int = 0, max_rows: int = 64) -> EncoderLoad:
     """An encoder instance that began, at NOW, an execution of ``busy_ms`` (0 = idle); the test's costs, 180 ms."""
     since = NOW if busy_ms else 0
-    return EncoderLoad(1, NOW, since, newest_started_ns, 0, busy_ms, 0.0, COST.ms_per_token, 1.0, 180.0, max_rows)
+    return EncoderLoad(1, NOW, since, newest_started_ns, 0, busy_ms, 0.0, COST.ms_per_token, 1.0, 180.0, 1.0, max_rows)
 
 
 def test_an_idle_encoder_admits_a_small_request():
@@ -120,7 +120,7 @@ def test_the_encoders_margin_applies_only_right_after_a_late_request_or_a_refusa
     def margin(late_ago_s: float | None, refused_ago_s: float | None = None) -> float:
         late = NOW - int(late_ago_s * 1e9) if late_ago_s is not None else 0
         refused = NOW - int(refused_ago_s * 1e9) if refused_ago_s is not None else 0
-        published = EncoderLoad(1, NOW, 0, 0, late, 0.0, 2.0, 0.1, 1.4, 180.0, 64)
+        published = EncoderLoad(1, NOW, 0, 0, late, 0.0, 2.0, 0.1, 1.4, 180.0, 1.0, 64)
         cost = cost_of([published], NOW, refused_ns=refused)
         assert (cost.fixed_ms, cost.ms_per_token) == (2.0, 0.1)
         return cost.margin
@@ -129,6 +129,24 @@ def test_the_encoders_margin_applies_only_right_after_a_late_request_or_a_refusa
     assert margin(0.5) == 1.4  # a request ran late 0.5 s ago: the tail matters now
     assert margin(OVERLOAD_MEMORY_S + 0.5) == 1.0
     assert margin(None, refused_ago_s=0.2) == 1.4
+
+
+def test_a_running_execution_past_its_typical_time_makes_the_plan_cautious():
+    running = EncoderLoad(1, NOW, NOW - 30 * MS, 0, 0, 20.0, 2.0, 0.1, 1.4, 180.0, 1.0, 64)  # 30 ms of a 20 ms run
+    cost = cost_of([running], NOW)
+    assert cost.margin == 1.4  # the cores are slower than the model right now
+    assert cost_of([EncoderLoad(**{**running.__dict__, "running_ms": 40.0})], NOW).margin == 1.0
+    # Its rest is taken as (margin - 1) x what it has run: 0.4 x 30 ms, not 0 ms.
+    assert Backlog().plan([running], cost, NOW).ahead_ms == pytest.approx(12.0)
+
+
+def test_a_request_must_end_within_the_share_of_its_budget():
+    plan = Backlog().plan([load(busy_ms=100)], COST, NOW)  # 100 ms + 2 ms for one text of 20 tokens
+    assert plan.judge(1, 20, 180, share=0.6) is None  # 102 ms <= 108 ms
+    refusal = plan.judge(1, 20, 180, share=0.5)  # 102 ms > 90 ms
+    assert refusal is not None and refusal.budget_ms == 180
+    # Big by itself against the whole budget, not the share: 4 x 40 ms = 160 ms < 180 ms, so still judged.
+    assert plan.judge(20, 20, 180, share=0.5) is not None
 
 
 def test_requests_an_idle_encoder_never_took_are_forgotten():

@@ -24,6 +24,7 @@ SAMPLE = EncoderLoad(
     ms_per_token=0.1,
     margin=1.4,
     budget_ms=180.0,
+    admit_share=0.6,
     max_rows=64,
 )
 
