@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT))
 ONSET_S = 1.0
 """The first second of a burst that hits an idle server. All clients arrive within a few milliseconds: their
 requests queue in the frontend and the tokenizer before any stamp, and the encoder's cost model has not yet seen
-the cores shared with the clients. Measured on 2 cores (192 clients, budget 180 ms): accepted p99 ~265 ms for
-requests sent in the first 0.5 s, <= 200 ms from 0.5 s on."""
+the cores shared with the clients. Measured on 2 cores (192 clients, budget 180 ms): 0-65 accepted requests
+over 200 ms in the first second of a burst (99-146 before admission's wake share,
+common/target.py; docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class BurstSummary:
 
     Attributes:
         p99_after_onset_ms: p99 of the accepted requests sent after :data:`ONSET_S`.
+        over_sla, over_sla_in_onset: accepted requests that took longer than :data:`SLA_MS`, in all and among those
+            sent in the onset.
         window_p99_ms: p99 of the accepted requests sent in each whole second after :data:`ONSET_S` (NaN for a
             second without any). A stall of the shared machine (seen in ~1 run of 10 on 2 cores: 400-600 ms
             without an answer) spoils the p99 of the whole burst but only the second it falls in.
@@ -119,6 +122,8 @@ class BurstSummary:
     p99_after_onset_ms: float
     shed_p50_ms: float
     window_p99_ms: tuple[float, ...]
+    over_sla: int
+    over_sla_in_onset: int
 
     def seconds_within(self, sla_ms: float) -> int:
         """How many of the one-second windows after the onset had their p99 within ``sla_ms``."""
@@ -146,6 +151,8 @@ def summarize(answers: list[Answer], seconds: float) -> BurstSummary:
         p99_after_onset_ms=pct(settled, 99),
         shed_p50_ms=pct(shed, 50),
         window_p99_ms=tuple(pct(values, 99) for values in by_window),
+        over_sla=sum(a.outcome == "ok" and a.ms > SLA_MS for a in answers),
+        over_sla_in_onset=sum(a.outcome == "ok" and a.ms > SLA_MS and a.started_s < ONSET_S for a in answers),
     )
 
 
@@ -164,7 +171,7 @@ def run_budget(budget: float, texts: list[str], clients: int, seconds: float) ->
     return (
         f"| {budget:g} | {s.ok_per_s:.0f} | {s.shed} | {s.other} | {s.p50_ms:.0f} / {s.p99_ms:.0f} ms "
         f"| {s.p99_after_onset_ms:.0f} ms | {s.seconds_within(SLA_MS)}/{len(s.window_p99_ms)} "
-        f"| {s.shed_p50_ms:.0f} ms |"
+        f"| {s.over_sla} ({s.over_sla_in_onset}) | {s.shed_p50_ms:.0f} ms |"
     )
 
 
@@ -184,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.clients} clients, {args.seconds:g} s, single STS-B dev sentences over gRPC")
     print(
         "| LATENCY_BUDGET_MS | answered ok/s | shed | other errors | accepted p50 / p99 "
-        f"| accepted p99 after {ONSET_S:g} s | seconds with p99 <= {SLA_MS:g} ms | shed p50 |"
+        f"| accepted p99 after {ONSET_S:g} s | seconds with p99 <= {SLA_MS:g} ms "
+        f"| accepted over {SLA_MS:g} ms (in the first {ONSET_S:g} s) | shed p50 |"
     )
-    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for budget in (float(b) for b in args.budgets.split(",")):
         print(run_budget(budget, texts, args.clients, args.seconds), flush=True)
     return 0
