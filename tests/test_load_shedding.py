@@ -58,6 +58,16 @@ def test_a_bad_budget_parameter_is_invalid_input(late_server, value):
     assert f"'latency_budget_ms' must be a number >= 0 (0 = never shed); got {value!r}" in caught.value.message()
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_budget_in_fractions_of_a_millisecond_is_applied(late_server, protocol):
+    url = late_server.grpc_url if protocol == "grpc" else late_server.http_url
+    with (
+        EmbeddingClient(url=url, protocol=protocol, retries=0, latency_budget_ms=5.5) as client,
+        pytest.raises(ServerUnavailableError, match=r"over the 5\.5 ms latency budget"),
+    ):
+        client.embed(["a float budget reaches both steps of the ensemble"])
+
+
 def tokenizer_refusals(server) -> float:
     """``triton_embed_shed_requests_total{model="tokenizer"}`` from the server's metrics (0 before the first)."""
     return scrape(server.metrics_url).get('triton_embed_shed_requests_total{model="tokenizer"}', 0.0)
@@ -83,6 +93,6 @@ def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_s
 
 
 def test_the_client_checks_the_budget_before_sending():
-    for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="latency_budget_ms must be an int >= 0"):
+    for bad in (-1, -0.5, True, float("nan"), float("inf"), "180"):
+        with pytest.raises(ValueError, match="latency_budget_ms must be a number of ms >= 0"):
             EmbeddingClient(url="127.0.0.1:1", latency_budget_ms=bad)

@@ -33,7 +33,7 @@ class ClientBase:
         coalesce: bool = False,
         max_concurrency: int = 4,
         headers: dict[str, str] | None = None,
-        latency_budget_ms: int | None = None,
+        latency_budget_ms: float | None = None,
     ) -> None:
         """Connect lazily: nothing is sent until the first call.
 
@@ -54,7 +54,7 @@ class ClientBase:
             headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key).
             latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long the server may take
                 before it sheds this request as overloaded (ms; 0 = never shed, for bulk jobs that prefer slow to
-                rejected). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
+                rejected; fractions allowed). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import threading
@@ -58,7 +59,7 @@ class Settings:
     coalesce: bool
     max_concurrency: int
     headers: dict | None
-    latency_budget_ms: int | None = None
+    latency_budget_ms: float | None = None
 
     @classmethod
     def make(cls, *, url: str | None, protocol: str | None, **kwargs) -> Settings:
@@ -73,13 +74,11 @@ class Settings:
             raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
         url = normalise_url(url or os.environ.get(URL_ENV) or DEFAULT_URLS[protocol])
         settings = cls(url=url, protocol=protocol, **kwargs)
-        if settings.latency_budget_ms is not None and (
-            isinstance(settings.latency_budget_ms, bool)
-            or not isinstance(settings.latency_budget_ms, int)
-            or settings.latency_budget_ms < 0
+        budget = settings.latency_budget_ms
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget < math.inf
         ):
-            budget = settings.latency_budget_ms
-            raise ValueError(f"latency_budget_ms must be an int >= 0 (0 = never shed); got {budget!r}")
+            raise ValueError(f"latency_budget_ms must be a number of ms >= 0 (0 = never shed); got {budget!r}")
         if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1:
             raise ValueError(
                 f"need timeout_s > 0, retries >= 0, max_concurrency >= 1; got {settings.timeout_s}, "
