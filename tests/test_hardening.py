@@ -45,7 +45,8 @@ BAD_INPUTS = [
     ("wrong_name", {"array": texts(b"a"), "name": "TXT"}, ["unexpected inference input 'TXT'"]),
     (
         "over_max_seq_length_without_truncation",
-        {"array": texts(b"word " * 400), "params": {"truncate": False}},
+        # a text no other test sends: a truncated answer to it in the response cache would be served instead
+        {"array": texts(b"refused " + b"word " * 400), "params": {"truncate": False}},
         ["'TEXT' row 0 has more than 256 tokens", "truncation is off"],
     ),
 ]
@@ -71,6 +72,15 @@ def test_long_texts_are_truncated_by_default_and_on_request(server, reference):
     np.testing.assert_allclose(send(server, "grpc", texts(long.encode())), expected, atol=1e-5)
     truncated = send(server, "http", texts(long.encode()), params={"truncate": True})
     np.testing.assert_allclose(truncated, expected, atol=1e-5)
+
+
+def test_the_response_cache_answers_a_cached_text_whatever_the_request_parameters(server, reference):
+    # Triton 2.51's response cache keys on the texts alone (README, "Identical requests..."): once a long text has
+    # been served truncated, truncate=false for it is answered from the cache, not refused.
+    long = "cached once " + "word " * 400
+    send(server, "grpc", texts(long.encode()))
+    cached = send(server, "grpc", texts(long.encode()), params={"truncate": False})
+    np.testing.assert_allclose(cached, reference_embed(reference, [long]), atol=1e-5)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
