@@ -49,6 +49,11 @@ BAD_INPUTS = [
         {"array": texts(b"refused " + b"word " * 400), "params": {"truncate": False}},
         ["'TEXT' row 0 has more than 256 tokens", "truncation is off"],
     ),
+    (
+        "truncate_not_a_bool",
+        {"array": texts(b"truncate must be a bool"), "params": {"truncate": "x"}},
+        ["request parameter 'truncate' must be true or false", "got 'x'"],
+    ),
 ]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import threading
@@ -44,6 +43,10 @@ def normalise_url(url: str) -> str:
     return host_port
 
 
+MAX_BUDGET_MS = 3_600_000.0
+"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/common/shedding.py)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """Client settings; see :class:`triton_embed.EmbeddingClient` for their meaning."""
@@ -76,9 +79,12 @@ class Settings:
         settings = cls(url=url, protocol=protocol, **kwargs)
         budget = settings.latency_budget_ms
         if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget < math.inf
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= MAX_BUDGET_MS
         ):
-            raise ValueError(f"latency_budget_ms must be a number of ms >= 0 (0 = never shed); got {budget!r}")
+            raise ValueError(
+                f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never shed); "
+                f"got {budget!r}"
+            )
         if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1:
             raise ValueError(
                 f"need timeout_s > 0, retries >= 0, max_concurrency >= 1; got {settings.timeout_s}, "

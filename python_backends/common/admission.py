@@ -115,7 +115,7 @@ class Plan:
         end past its own target (``share`` x budget from now; :class:`target.AdmissionTarget`) or the deadline of a
         request already in that batch (which it would delay).
         """
-        own = self.cost.estimate_ms(rows, width)
+        own = self.cost.own_ms(rows, width)
         if budget_ms <= 0 or BIG_REQUEST_FACTOR * own >= budget_ms:
             return None
         ahead, joined, deadlines = self.ahead_ms, (self.rows, self.width), self.deadlines_ns
@@ -197,7 +197,7 @@ class Backlog:
         Its deadline is ``budget_ms`` after ``stamp_ns`` (never when 0), or ``BIG_REQUEST_FACTOR``
         x its own run when longer, as in the encoder's shedding; it is forgotten after twice that (at least 2 s).
         """
-        own = plan.cost.estimate_ms(rows, width)
+        own = plan.cost.own_ms(rows, width)
         deadline_ms = max(budget_ms, BIG_REQUEST_FACTOR * own) if budget_ms > 0 else 0.0
         deadline_ns = stamp_ns + int(1e6 * deadline_ms) if deadline_ms else NEVER
         self._queue.append(Admitted(stamp_ns, rows, width, deadline_ns, stamp_ns + int(2e6 * max(deadline_ms, 1e3))))

@@ -37,6 +37,15 @@ class CostModel:
         """Execution time of ``rows`` texts padded to ``width`` tokens to plan with, milliseconds (margin included)."""
         return self.margin * self.typical_ms(rows, width)
 
+    def own_ms(self, rows: int, width: int) -> float:
+        """A request's own share of an execution, ms (margin included): its tokens' cost, without ``fixed_ms``.
+
+        Every execution pays ``fixed_ms`` once, whatever it holds, so it is no measure of a request's size. This is
+        what "big by itself" is measured by (``shedding.py``): with the fixed part in, one short text on busy cores
+        (fixed ~30 ms) counted as big against any budget under ~170 ms and was never refused.
+        """
+        return self.margin * self.ms_per_token * rows * width
+
     def observe(self, took_ms: float, rows: int, width: int) -> None:
         """Learn from one execution of ``rows`` x ``width`` padded tokens that took ``took_ms`` ms."""
         tokens = rows * width

@@ -18,8 +18,9 @@ import json
 from cost import CostModel
 
 BIG_REQUEST_FACTOR = 4.0
-"""A request's deadline is at least this many times its own run time: a bulk caller (``triton_embed`` sends 4 chunks
-of 64 texts at once by default) has each chunk wait for up to 3 others, which is not overload."""
+"""A request's deadline is at least this many times its own run time (``CostModel.own_ms``: its tokens, not the
+per-execution fixed part): a bulk caller (``triton_embed`` sends 4 chunks of 64 texts at once by default) has each
+chunk wait for up to 3 others, which is not overload."""
 MIN_WAIT_FRACTION = 0.5
 """A request is shed only after waiting at least this share of the latency budget (see :func:`choose_shed`)."""
 SHED_METRIC = "triton_embed_shed_requests_total"
@@ -68,9 +69,7 @@ def choose_shed(
     budgets = list(budget_ms) if isinstance(budget_ms, list) else [budget_ms] * len(rows)
     if not any(b > 0 for b in budgets):
         return shed
-    deadline = [
-        max(b, BIG_REQUEST_FACTOR * cost.estimate_ms(r, w)) for b, r, w in zip(budgets, rows, widths, strict=True)
-    ]
+    deadline = [max(b, BIG_REQUEST_FACTOR * cost.own_ms(r, w)) for b, r, w in zip(budgets, rows, widths, strict=True)]
     kept = set(range(len(rows)))
     while kept:
         estimate = cost.estimate_ms(sum(rows[j] for j in kept), max(widths[j] for j in kept))
@@ -90,8 +89,12 @@ def choose_shed(
     return shed
 
 
+MAX_BUDGET_MS = 3_600_000.0
+"""The longest ``latency_budget_ms`` a request may carry, ms (an hour; 0 is "never shed" for longer jobs)."""
+
+
 class BudgetError(ValueError):
-    """The request parameter ``latency_budget_ms`` is not a number >= 0."""
+    """The request parameter ``latency_budget_ms`` is not a number of ms from 0 to :data:`MAX_BUDGET_MS`."""
 
 
 def budget_from_parameters(parameters: str | None, default_ms: float) -> float:
@@ -102,7 +105,8 @@ def budget_from_parameters(parameters: str | None, default_ms: float) -> float:
         default_ms: the model's ``LATENCY_BUDGET_MS``, ms.
 
     Raises:
-        BudgetError: the parameter is present but not a number >= 0; the message names it and the value.
+        BudgetError: the parameter is present but not a number from 0 to :data:`MAX_BUDGET_MS`; the message names
+            it, the limits and the value.
     """
     try:
         value = json.loads(parameters or "{}").get("latency_budget_ms")
@@ -110,8 +114,9 @@ def budget_from_parameters(parameters: str | None, default_ms: float) -> float:
         value = None
     if value is None:
         return default_ms
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
         raise BudgetError(
-            f"request parameter 'latency_budget_ms' must be a number >= 0 (0 = never shed); got {value!r}"
+            f"request parameter 'latency_budget_ms' must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} "
+            f"(0 = never shed); got {value!r}"
         )
     return float(value)

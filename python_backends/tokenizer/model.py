@@ -154,12 +154,18 @@ class TritonPythonModel:
         self._shed_family = None
 
     def _truncates(self, request) -> bool:
-        """Truncate this request's long texts? Request parameter ``truncate`` (bool) wins over ``TRUNCATION``."""
+        """Truncate this request's long texts? Request parameter ``truncate`` (bool) wins over ``TRUNCATION``.
+
+        Raises:
+            RequestError: ``truncate`` is present but not a bool.
+        """
         try:
             value = json.loads(request.parameters() or "{}").get("truncate")
         except (ValueError, AttributeError):
             value = None
-        return self.truncate == "truncate" if value is None else bool(value)
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"request parameter 'truncate' must be true or false; got {value!r}")
+        return self.truncate == "truncate" if value is None else value
 
     def execute(self, requests: list) -> list:
         """Tokenise all requests' texts in one call; one response per request, in order."""
@@ -183,7 +189,14 @@ class TritonPythonModel:
         per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
 
         for i, encs in enumerate(per_request):
-            if encs is not None and not self._truncates(requests[i]):
+            if encs is None:
+                continue
+            try:
+                truncates = self._truncates(requests[i])
+            except RequestError as exc:
+                errors[i] = str(exc)
+                continue
+            if not truncates:
                 long = next((row for row, e in enumerate(encs) if e.overflowing), None)
                 if long is not None:
                     errors[i] = (

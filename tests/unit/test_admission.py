@@ -62,6 +62,14 @@ def test_big_requests_are_never_refused_here():
     assert Backlog().plan([load(busy_ms=5000)], COST, NOW).judge(64, 100, 180) is None
 
 
+def test_a_small_budget_is_judged_not_taken_for_a_big_request():
+    # Busy cores: 30 ms per execution whatever it holds; one text of 20 tokens is 2 ms of its own. With a 50 ms
+    # budget it is judged (4 x 2 < 50) and refused behind 100 ms of work, not waved through as big.
+    busy = CostModel(ms_per_token=0.1, fixed_ms=30.0, margin=1.0)
+    refusal = Backlog().plan([load(busy_ms=100)], busy, NOW).judge(1, 20, budget_ms=50)
+    assert refusal is not None and refusal.budget_ms == 50
+
+
 def test_queued_work_runs_in_batches_of_max_rows_before_a_newcomer():
     backlog = Backlog()
     plan = backlog.plan([load(max_rows=4)], COST, NOW)

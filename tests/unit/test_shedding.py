@@ -40,6 +40,15 @@ def test_a_request_big_by_itself_gets_four_times_its_own_run_time():
     assert choose_shed([2.0, 100.0], [64, 1], [40, 16], COST, budget_ms=150) == {1}
 
 
+def test_the_fixed_cost_of_an_execution_does_not_make_a_small_request_big():
+    # Busy cores: 30 ms per execution whatever it holds. One text of 20 tokens is 2 ms of its own, so with a 50 ms
+    # budget its deadline stays 50 ms: waited 60 + 32 ms > 50, shed (with the fixed part counted as its own,
+    # 4 x 32 = 128 ms would have kept it, and a small budget would have meant fewer refusals, not more).
+    busy = CostModel(ms_per_token=0.1, fixed_ms=30.0, margin=1.0)
+    assert choose_shed([60.0], [1], [20], busy, budget_ms=50) == {0}
+    assert busy.own_ms(1, 20) == pytest.approx(2.0)
+
+
 def test_fresh_requests_are_not_shed_even_when_the_batch_is_slow():
     # 16 requests of 4 long texts (64 x 100 tokens ~ 640 ms): late, but none has waited half the 150 ms budget.
     assert choose_shed([35.0] * 16, [4] * 16, [100] * 16, COST, budget_ms=150) == set()
