@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import free_port
+from triton_embed_server.supervisor import stub_processes
 
 
 def process_gone(pid: int) -> bool:
@@ -84,3 +85,23 @@ def test_no_orphan_server_when_parent_is_killed(serve_process):
     proc.kill()  # SIGKILL: the parent gets no chance to clean up
     proc.wait(timeout=10)
     assert wait_gone(server_pid, timeout_s=60), f"tritonserver {server_pid} still running after its parent died"
+
+
+def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left(serve_process):
+    proc, server_pid, ports, _ = serve_process
+    stubs = stub_processes(server_pid)
+    assert set(stubs.values()) == {"tokenizer", "encoder"}, stubs
+    os.kill(server_pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    lines, deadline = [], time.monotonic() + 240
+    while time.monotonic() < deadline and not any("tritonserver restarted" in line for line in lines):
+        lines.append(proc.stdout.readline() or "")
+    output = "".join(lines)
+    assert "tritonserver exited unexpectedly with status -9; restarting" in output, output[-3000:]
+    assert "tritonserver restarted (pid" in output, output[-3000:]
+    # Its stubs exit once serve has reaped it (a 2.51 stub watches its parent's pid; while the dead server is an
+    # unreaped zombie they run on): nothing of the killed server is left holding memory.
+    assert all(wait_gone(pid, timeout_s=10) for pid in stubs), {p: process_gone(p) for p in stubs}
+    with EmbeddingClient(url=f"127.0.0.1:{ports[1]}") as client:
+        assert client.embed(["served by the restarted server"]).shape == (1, 384)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
