@@ -34,7 +34,8 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
 
 
 @pytest.fixture
-def serve_process():
+def serve_process(request):
+    """``python -m triton_embed_server serve`` on free ports, ready; extra arguments by indirect parametrization."""
     ports = [str(free_port()) for _ in range(3)]
     cmd = [
         sys.executable,
@@ -47,6 +48,7 @@ def serve_process():
         ports[1],
         "--metrics-port",
         ports[2],
+        *getattr(request, "param", ()),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, server_pid = [], None
@@ -105,3 +107,12 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
         assert client.embed(["served by the restarted server"]).shape == (1, 384)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("serve_process", [("--max-restarts", "0")], indirect=True)
+def test_serve_gives_up_after_its_restart_limit(serve_process):
+    proc, server_pid, _, _ = serve_process
+    os.kill(server_pid, signal.SIGKILL)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1
+    assert "error: tritonserver exited with status -9; 0 restarts in 10 min, giving up" in output, output[-2000:]
