@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 ONSET_S = 1.0
 """The first second of a burst that hits an idle server. All clients arrive within a few milliseconds: their
 requests queue in the frontend and the tokenizer before any stamp, and the encoder's cost model has not yet seen
-the cores shared with the clients. Measured on 2 cores (192 clients, budget 180 ms): 0-65 accepted requests
+the cores shared with the clients. Measured on 2 cores (192 clients, budget 180 ms): 0-38 accepted requests
 over 200 ms in the first second of a burst (99-146 before admission's wake share,
 common/target.py; docs/benchmarks.md)."""
 
