@@ -207,6 +207,7 @@ def test_alert_rules_load_and_evaluate_without_errors(prometheus):
         "TritonEmbedGpuIdleWithQueue",
         "TritonEmbedGpuSaturated",
         "TritonEmbedP99OverSla",
+        "TritonEmbedShedding",
         "TritonEmbedDown",
         "TritonEmbedGpuMonitorDown",
     }
