@@ -35,7 +35,7 @@ WAKE_SHARE = 0.25
 """The share at the start of a busy period. Measured (docs/benchmarks.md): accepted requests over 200 ms in a burst's
 first second 0-38 per burst with 0.25, 0-65 with 0.35, 99-146 without; ~7% fewer answers/s than with 0.35."""
 IDLE_SPELL_MS = 500.0
-"""An encoder that has taken no request for this long is idle: its next execution begins a busy period, ms."""
+"""An encoder that has taken no request for this long is idle (:func:`idle`), ms."""
 
 
 @dataclass
@@ -59,6 +59,16 @@ class AdmissionTarget:
             self.share = min(1.0, self.share + INCREASE)
 
 
+def idle(newest_started_ns: int, now_ns: int) -> bool:
+    """Has the encoder taken no request for :data:`IDLE_SPELL_MS`? Then its next execution begins a busy period.
+
+    Args:
+        newest_started_ns: the newest ``arrival_ns`` stamp it has taken (``loadboard.EncoderLoad``; 0 = none yet).
+        now_ns: ``time.monotonic_ns()``.
+    """
+    return now_ns - newest_started_ns >= IDLE_SPELL_MS * 1e6
+
+
 def share_of(loads: list, now_ns: int) -> float:
     """The share to plan with now, from the encoder instances' published loads (``loadboard.EncoderLoad``).
 
@@ -66,7 +76,7 @@ def share_of(loads: list, now_ns: int) -> float:
     taken a request for :data:`IDLE_SPELL_MS` (a burst reaches the tokenizer before the encoder wakes).
     """
     share = min(load.admit_share for load in loads)
-    asleep = all(not load.running_since_ns for load in loads)
-    if asleep and now_ns - max(load.newest_started_ns for load in loads) >= IDLE_SPELL_MS * 1e6:
+    running = any(load.running_since_ns for load in loads)
+    if not running and idle(max(load.newest_started_ns for load in loads), now_ns):
         share = min(share, WAKE_SHARE)
     return share

@@ -50,7 +50,7 @@ from cost import CostModel
 from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
 from runners import BucketedRunner
 from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, choose_shed, overloaded
-from target import IDLE_SPELL_MS, AdmissionTarget
+from target import AdmissionTarget, idle
 
 INPUTS = ("input_ids", "attention_mask")
 ARRIVAL = "arrival_ns"
@@ -178,7 +178,6 @@ class TritonPythonModel:
         self._newest_started_ns = 0
         self._late_ns = 0
         self.target = AdmissionTarget()  # the share of the budget the tokenizer may plan with, steered by lateness
-        self._ended_ns = 0  # end of the last execution (monotonic ns)
         try:  # the stub's parent is the tritonserver process, which names the board for the tokenizer
             remove_stale()
             self.board = LoadBoard(board_path(os.getppid(), args["model_name"], args["model_instance_name"]))
@@ -242,7 +241,7 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         """Validate each request, shed late ones, run the rest as one padded batch; one response per request."""
         now_ns = time.monotonic_ns()
-        if now_ns - self._ended_ns >= IDLE_SPELL_MS * 1e6:
+        if idle(self._newest_started_ns, now_ns):
             self.target.woke()  # a busy period begins: the cost model was taught by another load
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
@@ -282,7 +281,6 @@ class TritonPythonModel:
         if any(budget and stamp for budget, stamp in zip(budgets, stamps, strict=True)):
             self.target.executed(late)  # the tokenizer's share of the budget (common/target.py)
             self._metrics.share(self.target.share)
-        self._ended_ns = end_ns
         self._publish()
 
         responses = []
