@@ -41,7 +41,8 @@ BAD_INPUTS = [
     ("not_utf8", {"array": texts(b"\xc3\x28")}, ["'TEXT' row 0 is not valid UTF-8", "0xc3"]),
     ("zero_texts", {"array": np.zeros((0, 1), dtype=np.object_)}, ["'TEXT'", "got 0"]),
     ("wrong_dtype", {"array": np.zeros((1, 1), dtype=np.int64), "dtype": "INT64"}, ["'TEXT'", "INT64", "BYTES"]),
-    ("wrong_shape", {"array": np.array([b"flat"], dtype=np.object_)}, ["TEXT"]),
+    ("wrong_shape", {"array": np.array([b"flat"], dtype=np.object_)}, ["'TEXT'", "Expected [-1,1], got [1]"]),
+    ("two_texts_per_row", {"array": np.array([[b"a", b"b"]], dtype=np.object_)}, ["'TEXT'", "got [1,2]"]),
     ("wrong_name", {"array": texts(b"a"), "name": "TXT"}, ["unexpected inference input 'TXT'"]),
     (
         "over_max_seq_length_without_truncation",
