@@ -153,8 +153,23 @@ def test_a_request_must_end_within_the_share_of_its_budget():
     assert plan.judge(1, 20, 180, share=0.6) is None  # 102 ms <= 108 ms
     refusal = plan.judge(1, 20, 180, share=0.5)  # 102 ms > 90 ms
     assert refusal is not None and refusal.budget_ms == 180
-    # Big by itself against the whole budget, not the share: 4 x 40 ms = 160 ms < 180 ms, so still judged.
-    assert plan.judge(20, 20, 180, share=0.5) is not None
+    assert "end past 90 ms, the 50% (admission's share" in refusal.message()
+    assert "of the 180 ms latency budget" in refusal.message()
+    # Big by itself against the share planned with: 4 x 20 ms = 80 ms < 90 ms, so judged (and refused: 100 + 20 ms);
+    # 4 x 40 ms = 160 ms >= 90 ms, so never refused here (the encoder judges it on its real wait).
+    assert plan.judge(10, 20, 180, share=0.5) is not None
+    assert plan.judge(20, 20, 180, share=0.5) is None
+
+
+def test_a_bulk_callers_concurrent_chunks_are_not_refused_on_an_idle_encoder_at_the_wake_share():
+    # A new user's embed() of 200 short texts: 4 chunks of 64 texts x 6 tokens (~38 ms each) at once, share 25%.
+    backlog = Backlog()
+    plan = backlog.plan([load()], COST, NOW)
+    for i in range(4):
+        assert plan.judge(64, 6, 180, share=0.25) is None, i
+        backlog.admit(plan, NOW + i, 64, 6, 180)
+    # A single text behind them is refused: it would wait ~154 ms, past 25% of 180 ms.
+    assert plan.judge(1, 6, 180, share=0.25) is not None
 
 
 def test_requests_an_idle_encoder_never_took_are_forgotten():
