@@ -218,3 +218,31 @@ def test_shared_memory_without_the_admin_header_falls_back_to_the_network(server
         served_again = client.embed(texts[:3])
     np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
     np.testing.assert_allclose(served_again, served[:3], atol=1e-6)
+
+
+def shortest(pairs, n: int) -> list[str]:
+    """The ``n`` shortest distinct STS-B sentences (5-10 tokens): chunks of them are not big by themselves."""
+    return sorted({p.a for p in pairs} | {p.b for p in pairs}, key=len)[:n]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_bulk_call_on_an_idle_server_is_not_refused_without_retries(server, sts_dev, reference, protocol):
+    # 300 new short texts = 5 chunks, 4 at once: more encoder work than a chunk's 180 ms budget on 2 cores, and each
+    # chunk too small to count as big by itself. A new user's embed() of 200 short texts failed this way (refused or
+    # shed, retries included); the chunks of one call now go with latency_budget_ms=0.
+    tag = secrets.token_hex(4)
+    texts = [f"{text} {tag}" for text in shortest(sts_dev, 300)]
+    with EmbeddingClient(url=url_for(server, protocol), protocol=protocol, retries=0) as client:
+        served = client.embed(texts)
+    np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
+
+
+def test_an_async_bulk_call_on_an_idle_server_is_not_refused_without_retries(server, sts_dev, reference):
+    tag = secrets.token_hex(4)
+    texts = [f"{text} {tag}" for text in shortest(sts_dev, 300)]
+
+    async def run() -> np.ndarray:
+        async with AsyncEmbeddingClient(url=server.grpc_url, retries=0) as client:
+            return await client.embed(texts)
+
+    np.testing.assert_allclose(asyncio.run(run()), reference_embed(reference, texts), atol=1e-5)

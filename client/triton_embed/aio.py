@@ -101,7 +101,7 @@ class AsyncEmbeddingClient(ClientBase):
 
         async def chunk(texts: list[str]) -> np.ndarray:
             async with limit:
-                return await self._retrying(self._infer_once, texts, dim)
+                return await self._retrying(self._infer_once, texts, dim, True)
 
         return np.concatenate(await asyncio.gather(*(chunk(c) for c in chunks)))
 
@@ -118,11 +118,11 @@ class AsyncEmbeddingClient(ClientBase):
                 await asyncio.sleep(backoff(attempt, self.settings.backoff_s))
         raise AssertionError("unreachable")
 
-    async def _infer_once(self, texts: list[str], dim: int) -> np.ndarray:
+    async def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> np.ndarray:
         pool, region = await self._acquire_region(texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
-            call = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs())
+            call = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs(bulk))
             result = await asyncio.wait_for(call, timeout=self.settings.timeout_s + 1)
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array

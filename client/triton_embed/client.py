@@ -179,10 +179,10 @@ class EmbeddingClient(ClientBase):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="triton-embed")
             executor = self._executor
-        return np.concatenate(list(executor.map(lambda c: self._infer_with_retries(c, dim), chunks)))
+        return np.concatenate(list(executor.map(lambda c: self._infer_with_retries(c, dim, True), chunks)))
 
-    def _infer_with_retries(self, texts: list[str], dim: int) -> np.ndarray:
-        return self._retrying(self._infer_once, texts, dim)
+    def _infer_with_retries(self, texts: list[str], dim: int, bulk: bool = False) -> np.ndarray:
+        return self._retrying(self._infer_once, texts, dim, bulk)
 
     def _retrying(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
@@ -197,12 +197,12 @@ class EmbeddingClient(ClientBase):
                 time.sleep(backoff(attempt, self.settings.backoff_s))
         raise AssertionError("unreachable")
 
-    def _infer_once(self, texts: list[str], dim: int) -> np.ndarray:
+    def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> np.ndarray:
         client = self._conn()
         pool, region = self._acquire_region(client, texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
-            result = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs())
+            result = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs(bulk))
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array
         finally:

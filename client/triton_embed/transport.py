@@ -164,15 +164,23 @@ class RequestBuilder:
         self.module = module
         self.http = settings.protocol == "http"
 
-    def infer_kwargs(self) -> dict:
+    def infer_kwargs(self, bulk: bool = False) -> dict:
         """Keyword arguments for tritonclient's ``infer``.
 
-        The gRPC deadline (``client_timeout``, s) and, when set, the request parameter ``latency_budget_ms`` (the
-        encoder's shedding budget for this request, ms).
+        The gRPC deadline (``client_timeout``, s) and the request parameter ``latency_budget_ms`` (the server's
+        budget for this request before it refuses or sheds it, ms): the client's setting when it has one; else
+        ``0`` (never refused or shed) for a ``bulk`` request, one chunk of a call split into several; else none
+        (the server's default, 180 ms as shipped). The chunks of one call queue behind each other by the call's
+        own making, so the later ones cannot meet a per-request budget even on an idle server: 200 short STS-B
+        sentences are ~450 ms of encoder work on 2 CPU cores, and a new user's ``embed()`` of 200 texts failed in
+        3 of 6 calls, retries included, while nothing else ran (2026-11-30).
         """
         kwargs: dict = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
-        if self.settings.latency_budget_ms is not None:
-            kwargs["parameters"] = {"latency_budget_ms": self.settings.latency_budget_ms}
+        budget = self.settings.latency_budget_ms
+        if budget is None and bulk:
+            budget = 0
+        if budget is not None:
+            kwargs["parameters"] = {"latency_budget_ms": budget}
         return kwargs
 
     def build(self, texts: list[str], dim: int, region: Region | None = None):

@@ -19,8 +19,9 @@ from cost import CostModel
 
 BIG_REQUEST_FACTOR = 4.0
 """A request's deadline is at least this many times its own run time (``CostModel.own_ms``: its tokens, not the
-per-execution fixed part): a bulk caller (``triton_embed`` sends 4 chunks of 64 texts at once by default) has each
-chunk wait for up to 3 others, which is not overload."""
+per-execution fixed part): a bulk caller that sends 4 chunks of 64 texts at once has each chunk wait for up to 3
+others, which is not overload. (``triton_embed`` sends the chunks of one call with budget 0 unless told otherwise:
+chunks of short texts are not big by this rule, and they queue behind each other past any per-request budget.)"""
 MIN_WAIT_FRACTION = 0.5
 """A request is shed only after waiting at least this share of the latency budget (see :func:`choose_shed`)."""
 SHED_METRIC = "triton_embed_shed_requests_total"
