@@ -38,9 +38,10 @@ class ClientBase:
         """Connect lazily: nothing is sent until the first call.
 
         Args:
-            url: ``host:port`` (a scheme like ``http://`` is dropped; ``:8000`` means 127.0.0.1). Default:
-                ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) / ``127.0.0.1:8000`` (HTTP).
-            protocol: ``grpc`` or ``http``. Default: ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
+            url: ``host:port``, or ``http://host:port`` / ``grpc://host:port`` (the scheme picks the protocol);
+                ``:8000`` means 127.0.0.1. Default: ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) /
+                ``127.0.0.1:8000`` (HTTP).
+            protocol: ``grpc`` or ``http``. Default: the url's scheme, else ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
             model: the ensemble's name.
             timeout_s: limit for one request attempt, seconds (gRPC deadline; HTTP connect and network timeout).
             retries: extra attempts after an unavailable/overloaded/connection error (never after bad input or a
@@ -57,7 +58,8 @@ class ClientBase:
                 rejected; fractions allowed). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
 
         Raises:
-            ValueError: unknown protocol, a url that is not ``host:port``, or a setting out of range.
+            ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
+                ``protocol``, or a setting out of range.
         """
         self.settings = Settings.make(
             url=url,

@@ -8,7 +8,7 @@
     triton-embed stats                                                    # per-step latency breakdown
 
 URL and protocol: ``--url``/``--protocol``, else ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL``, else gRPC on
-127.0.0.1:8001.
+127.0.0.1:8001; a url scheme (``http://``, ``grpc://``) picks the protocol.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--url", help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)"
     )
-    common.add_argument("--protocol", choices=("grpc", "http"), help="default: $TRITON_EMBED_PROTOCOL, else grpc")
+    common.add_argument(
+        "--protocol", choices=("grpc", "http"), help="default: the --url scheme, else $TRITON_EMBED_PROTOCOL, else grpc"
+    )
     common.add_argument("--model", default="embed")
     common.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     common.add_argument("--json", action="store_true", help="print JSON")

@@ -43,6 +43,20 @@ def normalise_url(url: str) -> str:
     return host_port
 
 
+def url_protocol(url: str) -> str | None:
+    """The protocol a url's scheme names: ``"http"`` for ``http://``, ``"grpc"`` for ``grpc://``, None without one.
+
+    Raises:
+        ValueError: another scheme (``https://``: TLS is not supported by this client).
+    """
+    scheme, sep, _ = url.strip().partition("://")
+    if not sep:
+        return None
+    if scheme.lower() not in ("http", "grpc"):
+        raise ValueError(f"url scheme must be http:// or grpc:// (or none); got {url!r}")
+    return scheme.lower()
+
+
 MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` the server accepts, ms (python_backends/common/shedding.py)."""
 
@@ -72,10 +86,14 @@ class Settings:
             ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency/latency budget
                 out of range.
         """
-        protocol = (protocol or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
+        url = url or os.environ.get(URL_ENV)
+        scheme = url_protocol(url) if url else None
+        if protocol and scheme and protocol.lower() != scheme:
+            raise ValueError(f"protocol {protocol!r} contradicts the url's scheme: {url!r}")
+        protocol = (protocol or scheme or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
-        url = normalise_url(url or os.environ.get(URL_ENV) or DEFAULT_URLS[protocol])
+        url = normalise_url(url or DEFAULT_URLS[protocol])
         settings = cls(url=url, protocol=protocol, **kwargs)
         budget = settings.latency_budget_ms
         if budget is not None and (

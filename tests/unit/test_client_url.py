@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from triton_embed import EmbeddingClient
 from triton_embed.client import normalise_url
@@ -37,3 +39,29 @@ def test_environment_gives_url_and_protocol(monkeypatch):
 def test_unknown_protocol_is_rejected():
     with pytest.raises(ValueError, match="protocol must be 'grpc' or 'http'; got 'udp'"):
         EmbeddingClient(protocol="udp")
+
+
+@pytest.mark.parametrize(
+    ("url", "protocol"), [("http://127.0.0.1:8000", "http"), ("grpc://127.0.0.1:8001", "grpc"), (":8001", "grpc")]
+)
+def test_the_url_scheme_picks_the_protocol(url, protocol):
+    # A new user's EmbeddingClient(url="http://127.0.0.1:8000") spoke gRPC to the HTTP port ("Socket closed").
+    client = EmbeddingClient(url=url)
+    assert client.protocol == protocol
+
+
+def test_the_url_scheme_wins_over_the_environments_protocol(monkeypatch):
+    monkeypatch.setenv("TRITON_EMBED_PROTOCOL", "grpc")
+    assert EmbeddingClient(url="http://127.0.0.1:8000").protocol == "http"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"url": "http://127.0.0.1:8000", "protocol": "grpc"}, "protocol 'grpc' contradicts the url's scheme"),
+        ({"url": "https://triton:8000"}, "url scheme must be http:// or grpc:// (or none); got 'https://triton:8000'"),
+    ],
+)
+def test_a_contradicting_or_unknown_scheme_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EmbeddingClient(**kwargs)
