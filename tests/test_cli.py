@@ -35,10 +35,18 @@ def test_embed_json_from_stdin_over_http(server, reference):
 
 
 def test_stdin_lines_map_one_to_one_to_output_lines(server, reference):
-    done = run_cli("embed", "--url", f"http://{server.grpc_url}", stdin="one\r\n\nthree\n")
+    done = run_cli("embed", "--url", f"grpc://{server.grpc_url}", stdin="one\r\n\nthree\n")
     assert done.returncode == 0, done.stderr
     rows = np.array([[float(x) for x in line.split()] for line in done.stdout.splitlines()])
     np.testing.assert_allclose(rows, reference_embed(reference, ["one", "", "three"]), atol=2e-6)
+
+
+def test_non_utf8_stdin_is_a_clear_error_naming_the_line_and_byte(server):
+    command = [*CLI, "embed", "--url", server.grpc_url]
+    done = subprocess.run(command, input=b"good\nab\xffcd\n", capture_output=True, timeout=120, check=False)
+    stderr = done.stderr.decode()
+    assert done.returncode == 1, stderr
+    assert "InvalidInputError" in stderr and "texts[1] is not valid UTF-8" in stderr and "0xff" in stderr, stderr
 
 
 def test_similarity_prints_cosine(server, reference):

@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", parents=[common], help="print one embedding per text")
     embed.add_argument("texts", nargs="*", help="texts; none = one text per line of --file or stdin")
-    embed.add_argument("--file", type=argparse.FileType("r", encoding="utf-8"), help="one text per line")
+    embed.add_argument("--file", type=argparse.FileType("rb"), help="one UTF-8 text per line")
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
@@ -70,10 +70,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows = client.server_stats()
                 print(json.dumps([r.as_dict() for r in rows]) if args.json else server_stats.table(rows))
                 return 0
-            texts = args.texts or [line.rstrip("\r\n") for line in (args.file or sys.stdin)]
+            # lines are read as bytes: the client checks their UTF-8 and names the line (texts[i]) and the byte
+            texts = args.texts or [line.rstrip(b"\r\n") for line in (args.file or sys.stdin.buffer)]
             vectors = client.embed(texts)
             if args.json:
-                rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(texts, vectors, strict=True)]
+                shown = [t.decode() if isinstance(t, bytes) else t for t in texts]
+                rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(shown, vectors, strict=True)]
                 print(json.dumps(rows))
             else:
                 for vector in vectors:
