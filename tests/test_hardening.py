@@ -10,7 +10,7 @@ from conftest import reference_embed
 from helpers import post_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from triton_embed import EmbeddingClient
+from triton_embed import EmbeddingClient, InvalidInputError
 from tritonclient.utils import InferenceServerException
 
 MODULES = {"grpc": grpcclient, "http": httpclient}
@@ -78,6 +78,19 @@ def test_long_texts_are_truncated_by_default_and_on_request(server, reference):
     np.testing.assert_allclose(send(server, "grpc", texts(long.encode())), expected, atol=1e-5)
     truncated = send(server, "http", texts(long.encode()), params={"truncate": True})
     np.testing.assert_allclose(truncated, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_clients_truncate_option_reaches_the_server(server, reference, protocol):
+    long = f"client {protocol} " + "token " * 400  # a text no other test sends (the cache would answer it)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    with (
+        EmbeddingClient(url=url, protocol=protocol, truncate=False) as strict,
+        pytest.raises(InvalidInputError, match="row 0 has more than 256 tokens"),
+    ):
+        strict.embed([long])
+    with EmbeddingClient(url=url, protocol=protocol, truncate=True) as cutting:
+        np.testing.assert_allclose(cutting.embed([long]), reference_embed(reference, [long]), atol=1e-5)
 
 
 def test_the_response_cache_answers_a_cached_text_whatever_the_request_parameters(server, reference):

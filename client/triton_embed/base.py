@@ -34,6 +34,7 @@ class ClientBase:
         max_concurrency: int = 4,
         headers: dict[str, str] | None = None,
         latency_budget_ms: float | None = None,
+        truncate: bool | None = None,
     ) -> None:
         """Connect lazily: nothing is sent until the first call.
 
@@ -56,10 +57,14 @@ class ClientBase:
             latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long the server may take
                 before it sheds this request as overloaded (ms; 0 = never shed, for bulk jobs that prefer slow to
                 rejected; fractions allowed). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
+            truncate: sent as the request parameter ``truncate``: False makes a text over ``max_seq_length`` tokens
+                (256 for all-MiniLM-L6-v2) an ``InvalidInputError`` instead of being cut as sentence-transformers
+                cuts it; None = the server's ``TRUNCATION`` (truncate as shipped). The response cache keys on the
+                texts only: a text already served truncated is answered from the cache whatever this says.
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
-                ``protocol``, or a setting out of range.
+                ``protocol``, ``truncate`` not a bool, or a setting out of range.
         """
         self.settings = Settings.make(
             url=url,
@@ -74,6 +79,7 @@ class ClientBase:
             max_concurrency=max_concurrency,
             headers=headers,
             latency_budget_ms=latency_budget_ms,
+            truncate=truncate,
         )
         self._module = self._protocol_module(self.settings.protocol)
         self._builder = RequestBuilder(self.settings, self._module)

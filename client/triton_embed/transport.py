@@ -77,6 +77,7 @@ class Settings:
     max_concurrency: int
     headers: dict | None
     latency_budget_ms: float | None = None
+    truncate: bool | None = None
 
     @classmethod
     def make(cls, *, url: str | None, protocol: str | None, **kwargs) -> Settings:
@@ -103,6 +104,8 @@ class Settings:
                 f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never shed); "
                 f"got {budget!r}"
             )
+        if settings.truncate is not None and not isinstance(settings.truncate, bool):
+            raise ValueError(f"truncate must be True, False or None; got {settings.truncate!r}")
         if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1:
             raise ValueError(
                 f"need timeout_s > 0, retries >= 0, max_concurrency >= 1; got {settings.timeout_s}, "
@@ -188,17 +191,21 @@ class RequestBuilder:
         The gRPC deadline (``client_timeout``, s) and the request parameter ``latency_budget_ms`` (the server's
         budget for this request before it refuses or sheds it, ms): the client's setting when it has one; else
         ``0`` (never refused or shed) for a ``bulk`` request, one chunk of a call split into several; else none
-        (the server's default, 180 ms as shipped). The chunks of one call queue behind each other by the call's
-        own making, so the later ones cannot meet a per-request budget even on an idle server: 200 short STS-B
-        sentences are ~450 ms of encoder work on 2 CPU cores, and a new user's ``embed()`` of 200 texts failed in
-        3 of 6 calls, retries included, while nothing else ran (2026-11-30).
+        (the server's default, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
+        one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
+        budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores, and
+        a new user's ``embed()`` of 200 texts failed in 3 of 6 calls, retries included, while nothing else ran
+        (2026-11-30).
         """
         kwargs: dict = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
         budget = self.settings.latency_budget_ms
         if budget is None and bulk:
             budget = 0
-        if budget is not None:
-            kwargs["parameters"] = {"latency_budget_ms": budget}
+        parameters: dict = {} if budget is None else {"latency_budget_ms": budget}
+        if self.settings.truncate is not None:
+            parameters["truncate"] = self.settings.truncate
+        if parameters:
+            kwargs["parameters"] = parameters
         return kwargs
 
     def build(self, texts: list[str], dim: int, region: Region | None = None):

@@ -65,3 +65,8 @@ def test_the_url_scheme_wins_over_the_environments_protocol(monkeypatch):
 def test_a_contradicting_or_unknown_scheme_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         EmbeddingClient(**kwargs)
+
+
+def test_truncate_must_be_a_bool():
+    with pytest.raises(ValueError, match=re.escape("truncate must be True, False or None; got 'no'")):
+        EmbeddingClient(truncate="no")
