@@ -16,6 +16,7 @@ from conftest import reference_embed
 from helpers import scrape
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
+from triton_embed_server.shm import backend_regions
 from triton_embed_server.supervisor import stub_processes
 
 from bench.burst import ONSET_S, SHED, SLA_MS, burst, summarize
@@ -88,6 +89,18 @@ def test_killed_stub_is_replaced_without_a_server_restart(fault_server, referenc
     np.testing.assert_allclose(served, reference_embed(reference, [f"after the {model} stub died"]), atol=1e-5)
     assert fault_server.pid == server_pid and fault_server.is_alive()
     assert any(name == model for name, _ in fault_server.watchdog.reloads)
+
+
+def test_a_killed_stub_leaves_no_shared_memory_once_the_server_stops(tmp_path):
+    before = backend_regions()
+    with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log") as srv:
+        ours = backend_regions() - before
+        assert ours, "the stubs' regions should be in /dev/shm"
+        tokenizer = [pid for pid, name in stub_processes(srv.pid).items() if name == "tokenizer"]
+        os.kill(tokenizer[0], signal.SIGKILL)
+        with EmbeddingClient(url=srv.grpc_url, retries=30, backoff_s=0.25) as client:
+            assert client.embed(["served after the crash"]).shape == (1, 384)
+    assert backend_regions() - before == set()  # the killed stub's region too
 
 
 def test_retrying_client_does_not_see_a_stub_crash(fault_server, reference):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
+from triton_embed_server.shm import backend_regions, remove_orphans
 from triton_embed_server.supervisor import StubWatchdog
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -112,6 +113,7 @@ class EmbeddedServer:
         self.config = replace(config or ServerConfig(), **overrides)
         self._process: subprocess.Popen | None = None
         self._log_handle = None
+        self._regions_before: set[str] = set()
         self.watchdog: StubWatchdog | None = None
 
     # -- addresses --------------------------------------------------------------------------------------------
@@ -186,6 +188,7 @@ class EmbeddedServer:
             self._log_handle = open(self.config.log_file, "ab")  # noqa: SIM115 - closed in stop()
             stdout = self._log_handle
         argv, preexec = _spawn_args(self.command())
+        self._regions_before = backend_regions()
         self._process = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
             argv,
             env=server_environment(find_layout()),
@@ -246,7 +249,11 @@ class EmbeddedServer:
         raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def stop(self) -> int | None:
-        """Stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code."""
+        """Stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code.
+
+        Then removes the Python backend regions in ``/dev/shm`` that appeared while it ran and that no live process
+        maps (left by killed stubs: ``shm.py``).
+        """
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
@@ -261,6 +268,8 @@ class EmbeddedServer:
                     process.kill()
                     process.wait()
             code = process.returncode
+            # regions of stubs killed while it ran (Triton leaves them; see shm.py), now that nothing maps them
+            remove_orphans(backend_regions() - self._regions_before)
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
