@@ -36,8 +36,11 @@ def test_a_busy_period_starts_from_the_wake_share():
     assert target.share == WAKE_SHARE < 1.0
     target.executed(any_late=False)
     assert target.share == pytest.approx(WAKE_SHARE + INCREASE)
-    target.executed(any_late=True)  # below the floor already: a late execution neither raises nor cuts it
-    assert target.share == pytest.approx(WAKE_SHARE + INCREASE)
+    target.executed(any_late=True)  # cut back, but never below the floor
+    assert target.share == pytest.approx(max(FLOOR, (WAKE_SHARE + INCREASE) * DECREASE))
+    target.share = FLOOR / 2  # a share below the floor (a lower wake share) is left where it is
+    target.executed(any_late=True)
+    assert target.share == FLOOR / 2
 
 
 def encoder(share: float, running_since_ns: int = 0, newest_started_ns: int = NOW) -> EncoderLoad:
