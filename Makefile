@@ -21,6 +21,7 @@ RUN_TIME ?= 60s
 SLA_MS ?= 200
 LOCUST_ARGS ?=
 CAPACITY_USERS ?= 1,2,4,8,16,32
+CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS)
 
@@ -90,5 +91,5 @@ loadtest-ui: install
 
 # Highest throughput that passes the SLA gate, stepping the users through CAPACITY_USERS (30 s per step).
 capacity: install
-	$(PY) -m loadtest.capacity --users $(CAPACITY_USERS) -- --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
+	$(PY) -m loadtest.capacity --users $(CAPACITY_USERS) --step-s $(CAPACITY_STEP_S) -- --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 		--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS) $(LOCUST_ARGS)

@@ -39,7 +39,10 @@ def load_corpus(path: str | Path | None = None, sts_dir: Path = STS_DIR) -> list
         return texts
     files = [sts_dir / name for name in STS_FILES]
     if not all(f.is_file() for f in files):
-        raise CorpusError(f"STS Benchmark not found in {sts_dir}; name a text file (one text per line) instead")
+        raise CorpusError(
+            f"STS Benchmark not found in {sts_dir} (set TRITON_EMBED_STS_DIR to its folder); "
+            "or name a text file (one text per line) instead"
+        )
     return [text for f in files for cols in sts_rows(f) for text in (cols[5], cols[6])]
 
 

@@ -37,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", parents=[common], help="print one embedding per text")
-    embed.add_argument("texts", nargs="*", help="texts; none = one text per line of --file or stdin")
+    embed.add_argument(
+        "texts", nargs="*", help="texts; none = one text per line of --file or stdin (a blank line is the empty text)"
+    )
     embed.add_argument("--file", type=argparse.FileType("rb"), help="one UTF-8 text per line")
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")

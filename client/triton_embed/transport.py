@@ -264,7 +264,8 @@ def disable_shared_memory_warning(url: str, error: Exception) -> None:
     """Warn once per failure that shared memory is off for this client."""
     warnings.warn(
         f"shared memory registration with {url} failed ({error}); falling back to sending tensors over the "
-        "network (client and server must share /dev/shm, e.g. the same host or container IPC namespace)",
+        "network (registration is an admin API: pass the server's admin key header, see the README's threat "
+        "model; and client and server must share /dev/shm, e.g. the same host or container IPC namespace)",
         RuntimeWarning,
         stacklevel=4,
     )
