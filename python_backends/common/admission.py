@@ -26,7 +26,8 @@ then the encoder's margin applies (:func:`cost_of`). And the batch must end with
 (``target.py``), which the encoder lowers when its requests run late and at the start of a busy period.
 
 Measured (docs/benchmarks.md, ``python -m bench.burst``): a 192-client burst on 2 CPU cores gets refusals in ~7 ms
-instead of ~220 ms, and accepted p99 172-252 ms after its first second (268-356 ms with the encoder's shedding alone).
+instead of ~220 ms, and accepted p99 171-231 ms over the whole burst with the shipped share feedback (268-356 ms
+after its first second with the encoder's shedding alone).
 
 Pure Python (no torch, no Triton): tests/unit/test_admission.py.
 """
