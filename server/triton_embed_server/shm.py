@@ -4,7 +4,7 @@ Triton 2.51's Python backend gives each stub a region of ``shm-default-byte-size
 ``/dev/shm/triton_<backend>_backend_shm_region_<uuid>``, and unlinks it when the model instance unloads normally.
 A stub that is killed (out of memory, SIGKILL) leaves its region behind, even after the watchdog has reloaded the
 model, and a killed ``tritonserver`` leaves all of them: measured 1 region per killed stub, ~10 (10 MiB) per
-``make test``, 315 on a development machine after a day. :class:`EmbeddedServer` removes, when it stops, the
+``make test``, 326 on a development machine after a day. :class:`EmbeddedServer` removes, when it stops, the
 regions that appeared while it ran and that no live process maps any more.
 """
 
