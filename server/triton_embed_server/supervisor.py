@@ -6,12 +6,18 @@ machines). The watchdog polls the server's child processes once a second; when a
 that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's current
 config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old instance
 keeps answering), using the admin header.
+
+Run as a script (``python3 supervisor.py --server-pid PID``, stdlib only, Python >= 3.10) it is the compose
+deployment's watchdog: docker/triton-entrypoint.sh starts it beside ``tritonserver`` in the container.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import urllib.error
@@ -20,6 +26,29 @@ from pathlib import Path
 
 log = logging.getLogger("triton_embed_server")
 STUB_NAME = "triton_python_backend_stub"
+ADMIN_HEADER = "triton-embed-admin-key"
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def server_answers(http_url: str, endpoint: str) -> bool:
+    """True if ``GET http://<http_url>/v2/health/<endpoint>`` (``live`` or ``ready``) answers 200 within 5 s.
+
+    Triton answers ``live`` 503 from the moment it starts to shut down (SIGTERM/SIGINT), before it unloads the
+    models and their stubs exit.
+    """
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/{endpoint}", timeout=5) as response:  # noqa: S310
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def stub_processes(server_pid: int) -> dict[int, str]:
@@ -85,6 +114,8 @@ class StubWatchdog:
         """Reload models whose stubs are gone since ``known``; return the stubs to compare with next time."""
         current = stub_processes(self.server_pid)
         dead_models = sorted({model for pid, model in known.items() if pid not in current})
+        if dead_models and not server_answers(self.http_url, "live"):
+            return known  # shutting down (its stubs exit), or not answering: look again next tick
         for model in dead_models:
             if self._stop.is_set():
                 break
@@ -115,3 +146,41 @@ class StubWatchdog:
         took = time.monotonic() - start
         self.reloads.append((model, took))
         log.warning("model '%s' reloaded in %.1f s", model, took)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The compose deployment's watchdog: wait for the server to be READY, watch its stubs until it exits.
+
+    Reads the admin key from ``TRITON_EMBED_ADMIN_KEY``; logs to stderr (the container's log). Returns 0 when
+    the server process is gone, 2 without a key.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server-pid", type=int, required=True, help="the tritonserver process whose stubs to watch")
+    parser.add_argument("--http-port", type=int, default=8000, help="its HTTP port, reached on 127.0.0.1")
+    parser.add_argument("--admin-header", default=ADMIN_HEADER, help="header the repository API is locked to")
+    parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between looks at the stubs")
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="triton-embed stub watchdog: %(message)s")
+    key = os.environ.get("TRITON_EMBED_ADMIN_KEY", "")
+    if not key:
+        log.error("TRITON_EMBED_ADMIN_KEY is empty: the watchdog cannot reload models; not watching")
+        return 2
+    http_url = f"127.0.0.1:{args.http_port}"
+    while process_alive(args.server_pid) and not server_answers(http_url, "ready"):
+        time.sleep(args.interval_s)  # startup: model load, warmup and (GPU) CUDA graph capture take minutes
+    if not process_alive(args.server_pid):
+        return 0
+    watchdog = StubWatchdog(
+        server_pid=args.server_pid, http_url=http_url, admin_header=args.admin_header, admin_key=key,
+        interval_s=args.interval_s,
+    ).start()  # fmt: skip
+    models = sorted(set(stub_processes(args.server_pid).values()))
+    log.info("watching the stubs of tritonserver (pid %d): %s", args.server_pid, ", ".join(models))
+    while process_alive(args.server_pid):
+        time.sleep(args.interval_s)
+    watchdog.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The stub watchdog's standalone side (the compose entrypoint runs it as a script): liveness and exit rules.
+
+Real processes and sockets; the reload itself is covered against real servers in test_faults.py (embedded) and
+test_deploy_runtime.py (the compose entrypoint).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from triton_embed_server.embedded import free_port
+from triton_embed_server.supervisor import main, process_alive, server_answers
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "server", "triton_embed_server", "supervisor.py")
+
+
+def test_a_zombie_counts_as_gone_and_a_running_process_as_alive():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # noqa: S603 - our interpreter
+    deadline = time.monotonic() + 10
+    while process_alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped: a zombie
+        time.sleep(0.05)
+    assert not process_alive(child.pid)
+    assert os.path.exists(f"/proc/{child.pid}")  # still there as a zombie until reaped
+    child.wait()
+    assert process_alive(os.getpid())
+
+
+def test_no_server_on_the_port_means_not_live():
+    assert not server_answers(f"127.0.0.1:{free_port()}", "live")
+
+
+def test_without_a_key_it_refuses_to_watch(monkeypatch):
+    monkeypatch.delenv("TRITON_EMBED_ADMIN_KEY", raising=False)
+    assert main(["--server-pid", str(os.getpid())]) == 2
+
+
+def test_the_script_exits_at_once_when_the_server_is_already_gone():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # noqa: S603 - our interpreter
+    gone.wait()
+    # as the entrypoint runs it, a script; -I -S: no site-packages, so it must need nothing beyond the stdlib
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", SCRIPT, "--server-pid", str(gone.pid), "--http-port", str(free_port())],
+        env={"TRITON_EMBED_ADMIN_KEY": "k"}, capture_output=True, text=True, check=False, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
