@@ -5,7 +5,13 @@
 # metadata triton-grpc-protocol-triton-embed-admin-key) with the key from TRITON_EMBED_ADMIN_KEY. Without that
 # variable a random key is made at every start, so the admin APIs are closed to everyone.
 #
-# Environment: TRITON_EMBED_ADMIN_KEY (optional), TRITONSERVER (the binary; default: tritonserver on PATH).
+# It also starts the stub watchdog (server/triton_embed_server/supervisor.py, stdlib only): Triton 2.51 does not
+# restart a Python backend stub that died, so the watchdog reloads that model through the repository API (hence
+# --model-control-mode=explicit in docker-compose.yml) with the admin key. It watches this script's PID, which
+# `exec` hands to tritonserver, reaches it on 127.0.0.1 at --http-port (default 8000), and exits after it.
+#
+# Environment: TRITON_EMBED_ADMIN_KEY (optional), TRITONSERVER (the binary; default: tritonserver on PATH),
+# TRITON_EMBED_WATCH_STUBS (0: no watchdog), TRITON_EMBED_WATCHDOG (its script; default: where the image puts it).
 set -euo pipefail
 
 # NGC images set up the CUDA environment (driver checks, forward-compatibility libraries) in their own entrypoint;
@@ -25,6 +31,23 @@ fi
 if [[ ! "$admin_key" =~ ^[A-Za-z0-9._~-]+$ ]]; then
     echo "triton-embed: TRITON_EMBED_ADMIN_KEY may hold only letters, digits and . _ ~ - (it goes into a flag)" >&2
     exit 2
+fi
+
+if [[ "${TRITON_EMBED_WATCH_STUBS:-1}" != 0 ]]; then
+    watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"
+    http_port=8000
+    previous=""
+    for arg in "$@"; do
+        if [[ "$arg" == --http-port=* ]]; then http_port="${arg#--http-port=}"; fi
+        if [[ "$previous" == --http-port ]]; then http_port="$arg"; fi
+        previous="$arg"
+    done
+    if [[ -f "$watchdog" ]]; then
+        TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$watchdog" --server-pid "$$" --http-port "$http_port" \
+            --admin-header "$admin_header" </dev/null &
+    else
+        echo "triton-embed: no stub watchdog at $watchdog: a crashed stub stays down until a restart" >&2
+    fi
 fi
 
 exec "${TRITONSERVER:-tritonserver}" "$@" \

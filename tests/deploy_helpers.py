@@ -29,7 +29,8 @@ PROMETHEUS_YML = MONITORING / "prometheus" / "prometheus.yml"
 ALERTS_YML = MONITORING / "prometheus" / "alerts.yml"
 # NGC release of each Triton server version we run (https://docs.nvidia.com support matrix): 2.51.0 = 24.10
 NGC_RELEASE = {"2.51.0": "24.10"}
-SETTINGS = ("ENCODER_CONFIG", "TRITON_BIND", "TRITON_EMBED_ADMIN_KEY", "GRAFANA_ADMIN_PASSWORD")
+SETTINGS = ("ENCODER_CONFIG", "TRITON_BIND", "TRITON_EMBED_ADMIN_KEY", "TRITON_EMBED_WATCH_STUBS",
+            "GRAFANA_ADMIN_PASSWORD")  # fmt: skip
 
 
 def tool(name: str) -> str:
@@ -107,6 +108,7 @@ class ComposeServer:
         self.models, self.log, self.admin_key = models, log, admin_key
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.process: subprocess.Popen | None = None
+        self.watchdog_pid: int | None = None  # the entrypoint's stub watchdog, a child of tritonserver
 
     @property
     def http_url(self) -> str:
@@ -145,6 +147,7 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
     """
     from triton_embed_server.embedded import _spawn_args
     from triton_embed_server.layout import DEFAULT_BUILD_DIR, assemble_backends, find_layout
+    from triton_embed_server.shm import backend_regions, remove_orphans
 
     # what the export stage of the image holds: the artifacts only (here: those `make model` wrote)
     artifacts = tmp / "artifacts"
@@ -175,8 +178,15 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
         f"--grpc-port={server.grpc_port}",
         f"--metrics-port={server.metrics_port}",
     ]
-    env = entrypoint_env(TRITONSERVER=str(layout.binary), TRITON_EMBED_ADMIN_KEY=server.admin_key)
+    # the watchdog from this checkout (the image copies the same file to the entrypoint's default path)
+    env = entrypoint_env(
+        TRITONSERVER=str(layout.binary),
+        TRITON_EMBED_ADMIN_KEY=server.admin_key,
+        TRITON_EMBED_WATCHDOG=str(ROOT / "server" / "triton_embed_server" / "supervisor.py"),
+        TRITON_EMBED_WATCH_STUBS=resolved()["services"]["triton"]["environment"]["TRITON_EMBED_WATCH_STUBS"],
+    )
     argv, preexec = _spawn_args(["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args])
+    regions_before = backend_regions()
     with open(server.log, "ab") as log:
         server.process = subprocess.Popen(  # noqa: S603 - our script, our arguments
             argv,
@@ -192,6 +202,7 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
             assert server.process.poll() is None, f"tritonserver exited:\n{server.log_tail()}"
             assert time.monotonic() < deadline, f"not ready after 240 s:\n{server.log_tail()}"
             time.sleep(0.25)
+        server.watchdog_pid = _watchdog_of(server.process.pid)
         yield server
     finally:
         server.process.send_signal(2)  # SIGINT, as the embedded server stops it
@@ -200,6 +211,33 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
+        _wait_gone(server.watchdog_pid, timeout_s=15)
+        stopping = server.log.read_text(errors="replace").partition("Signal (2) received.")[2]
+        assert "reloading the model" not in stopping, "the stub watchdog reloaded a model while tritonserver stopped"
+        # a container's /dev/shm goes with it; here, remove what the stubs the tests killed left (see shm.py)
+        remove_orphans(backend_regions() - regions_before)
+
+
+def _watchdog_of(server_pid: int) -> int | None:
+    """PID of the stub watchdog among ``server_pid``'s children (the entrypoint forked it before its exec)."""
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == server_pid and b"supervisor.py" in (proc / "cmdline").read_bytes():
+                return int(proc.name)
+    return None
+
+
+def _wait_gone(pid: int | None, timeout_s: float) -> None:
+    """Wait for ``pid`` to exit; kill it (and fail) if it outlives ``timeout_s``: nothing may outlive the server."""
+    from triton_embed_server.supervisor import process_alive
+
+    deadline = time.monotonic() + timeout_s
+    while pid is not None and process_alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            raise AssertionError(f"the stub watchdog (pid {pid}) outlived tritonserver by {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def _ready(server: ComposeServer) -> bool:

@@ -100,7 +100,11 @@ def test_triton_service():
     assert health["start_period"] and health["retries"] >= 1
     command = triton["command"]
     assert "--model-repository=/models" in command and "--metrics-config=summary_latencies=true" in command
-    assert "--model-control-mode=none" in command
+    # explicit only for the stub watchdog, which the entrypoint starts unless TRITON_EMBED_WATCH_STUBS=0
+    assert "--model-control-mode=explicit" in command and "--load-model=*" in command
+    assert triton["environment"]["TRITON_EMBED_WATCH_STUBS"] == "1"
+    off = resolved(TRITON_EMBED_WATCH_STUBS="0")["services"]["triton"]["environment"]
+    assert off["TRITON_EMBED_WATCH_STUBS"] == "0"
 
 
 @pytest.mark.parametrize(("setting", "config"), [(None, "gpu"), ("libtorch", "libtorch"), ("gpu", "gpu")])
@@ -223,8 +227,12 @@ ADDED_AFTER_310 = {"tomllib", "wsgiref.types", "typing.Self", "typing.LiteralStr
                    "asyncio.timeout", "typing.override", "itertools.batched"}  # fmt: skip
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "python_backends").rglob("*.py")), ids=lambda p: p.name)
+IMAGE_PYTHON = [*sorted((ROOT / "python_backends").rglob("*.py")), ROOT / "server/triton_embed_server/supervisor.py"]
+
+
+@pytest.mark.parametrize("path", IMAGE_PYTHON, ids=lambda p: p.name)
 def test_backends_are_python_310(path):
+    """What runs on the image's python3 (3.10): the backends and the stub watchdog."""
     tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
     used = set()
     for node in ast.walk(tree):
@@ -254,6 +262,11 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
     for source in {src.rstrip("/").split("/")[0] for c in copies for src in c[:-1]}:
         assert f"!{source}" in patterns, f"COPY {source} but the .dockerignore leaves it out"
     assert "model_repository/*/1/*" in patterns  # a host-side export never reaches the image
+    # the stub watchdog, where the entrypoint looks for it by default
+    watchdog = "/opt/triton-embed/supervisor.py"
+    assert ["server/triton_embed_server/supervisor.py", watchdog] in copies
+    entrypoint = (ROOT / "docker" / "triton-entrypoint.sh").read_text()
+    assert f'watchdog="${{TRITON_EMBED_WATCHDOG:-{watchdog}}}"' in entrypoint
 
 
 def test_the_monitor_image_install_carries_the_monitor(tmp_path):
@@ -300,6 +313,9 @@ def test_entrypoint_locks_admin_apis_like_the_embedded_server():
     assert keys[0] != keys[1] and all(len(k) >= 24 for k in keys)
     bad = run(TRITON_EMBED_ADMIN_KEY="has space")
     assert bad.returncode == 2 and "TRITON_EMBED_ADMIN_KEY" in bad.stderr
+    # outside the image there is no watchdog script at the default path: said, not silent; 0 turns it off
+    assert "no stub watchdog at /opt/triton-embed/supervisor.py" in given.stderr
+    assert "watchdog" not in run(TRITON_EMBED_ADMIN_KEY="k", TRITON_EMBED_WATCH_STUBS="0").stderr
 
 
 # -- Prometheus and the Grafana dashboard -------------------------------------------------------------------------

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,8 +23,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import pytest
 import yaml
+from conftest import reference_embed
 from deploy_helpers import (
     ALERTS_YML,
     NGC_RELEASE,
@@ -36,6 +40,8 @@ from deploy_helpers import (
     tool,
 )
 from helpers import post_status
+from triton_embed import EmbeddingClient
+from triton_embed_server.supervisor import stub_processes
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +251,33 @@ def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
             return result or expr.startswith("ALERTS")  # no alert firing is a fine answer
 
         wait_for(answered, timeout_s=20, what=f"data for panel {title!r}: {expr}")
+
+
+# Last in this module: it kills the compose server's stubs (the watchdog brings them back).
+@pytest.mark.parametrize("model", ["tokenizer", "encoder"])
+def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(compose_server, reference, model):
+    """Triton 2.51 leaves a killed stub dead (requests fail, the model stays READY); the entrypoint's watchdog reloads
+    it through the locked repository API, without restarting tritonserver."""
+    assert compose_server.watchdog_pid, f"the entrypoint started no stub watchdog:\n{compose_server.log_tail()}"
+    server_pid = compose_server.process.pid
+    stubs = [pid for pid, name in stub_processes(server_pid).items() if name == model]
+    assert stubs, stub_processes(server_pid)
+    reloads_before = compose_server.log.read_text().count(f"model '{model}' reloaded")
+    os.kill(stubs[0], signal.SIGKILL)
+
+    text = f"served by the compose server after its {model} stub died"
+    started, failures = time.monotonic(), []
+    with EmbeddingClient(url=compose_server.grpc_url, retries=0, timeout_s=10) as client:
+        while time.monotonic() - started < 30:
+            try:
+                served = client.embed([text])
+                break
+            except Exception as exc:  # noqa: BLE001 - collected and checked below
+                failures.append(exc)
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"no answer within 30 s; last error {failures[-1]!r}\n{compose_server.log_tail()}")
+    np.testing.assert_allclose(served, reference_embed(reference, [text]), atol=1e-5)
+    assert compose_server.process.poll() is None and compose_server.process.pid == server_pid
+    assert compose_server.log.read_text().count(f"model '{model}' reloaded") == reloads_before + 1
+    assert stubs[0] not in stub_processes(server_pid) and model in stub_processes(server_pid).values()
