@@ -22,9 +22,17 @@ OVERFLOW = "overflow"
 """Stats label of batches above the largest bucket (run eagerly at their exact shape)."""
 
 
+def eager_label(length: int) -> str:
+    """Stats label of an eager run padded to a bucket's ``length``: ``"*x32"``, since its rows stay exact."""
+    return f"*x{length}"
+
+
 @dataclass
 class RunnerStats:
-    """Counters since load, per bucket label (``"8x32"`` or ``OVERFLOW``) and path (``graph`` / ``eager``).
+    """Counters since load, per label and path (``graph`` / ``eager``).
+
+    Labels: a graph replay's bucket (``"8x32"``: 8 rows x 32 tokens), an eager run's padded length with its exact
+    rows (``"*x32"``), or ``OVERFLOW``.
 
     Attributes:
         executions: ``Counter[(label, path)]``, module runs.
@@ -112,8 +120,12 @@ class BucketedRunner:
                         ids, mask = self._dummy(batch, length)
                         self.module(ids, mask)
         took = time.perf_counter() - start
-        path = f"CUDA graphs on {self.device}" if self.use_graphs else f"eager on {self.device}"
-        self.log(f"warmup done in {took:.1f} s: {len(self.table)} buckets, {path}; buckets {self.table!r}")
+        if self.use_graphs:
+            shapes = f"{len(self.table)} buckets, CUDA graphs on {self.device}; buckets {self.table!r}"
+        else:
+            lengths = sorted({k.length for k in self.table.buckets})
+            shapes = f"{len(lengths)} bucket lengths, eager on {self.device} (rows exact); lengths {lengths}"
+        self.log(f"warmup done in {took:.1f} s: {shapes}")
 
     def _dummy(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.full((batch, length), 100, dtype=torch.int64, device=self.device)
@@ -183,7 +195,7 @@ class BucketedRunner:
         ids, mask = _pad(input_ids, attention_mask, batch, padded_length)
         with torch.no_grad(), torch.jit.optimized_execution(False):
             out = self.module(torch.from_numpy(ids).to(self.device), torch.from_numpy(mask).to(self.device))
-        self._count(str(bucket) if bucket else OVERFLOW, "eager", real, batch * padded_length)
+        self._count(eager_label(bucket.length) if bucket else OVERFLOW, "eager", real, batch * padded_length)
         return out.float().cpu().numpy()
 
     def _replay(self, g: _Graph, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
