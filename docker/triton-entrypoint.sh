@@ -3,7 +3,7 @@
 # `command:`) plus the admin-API lock the embedded server uses (server/triton_embed_server/embedded.py):
 # model repository, shared memory, logging and trace need the header triton-embed-admin-key on HTTP (gRPC:
 # metadata triton-grpc-protocol-triton-embed-admin-key) with the key from TRITON_EMBED_ADMIN_KEY. Without that
-# variable a random key is made at every start, so the admin APIs are closed to everyone.
+# variable a random key is made at every start, so the admin APIs are closed to everyone but the watchdog below.
 #
 # It also starts the stub watchdog (server/triton_embed_server/supervisor.py, stdlib only): Triton 2.51 does not
 # restart a Python backend stub that died, so the watchdog reloads that model through the repository API (hence

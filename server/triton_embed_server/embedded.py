@@ -23,11 +23,10 @@ from pathlib import Path
 
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
 from triton_embed_server.shm import backend_regions, remove_orphans
-from triton_embed_server.supervisor import StubWatchdog
+from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 READY_MODEL = "embed"
-ADMIN_HEADER = "triton-embed-admin-key"
 ADMIN_KEY_ENV = "TRITON_EMBED_ADMIN_KEY"
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 """Triton API groups that need the admin header; the rest (inference, health, metadata, statistics) stay open."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger("triton_embed_server")
 STUB_NAME = "triton_python_backend_stub"
-ADMIN_HEADER = "triton-embed-admin-key"
+ADMIN_HEADER = "triton-embed-admin-key"  # the admin APIs' header, here and in docker/triton-entrypoint.sh
 
 
 def process_alive(pid: int) -> bool:
