@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -89,6 +91,29 @@ def test_killed_stub_is_replaced_without_a_server_restart(fault_server, referenc
     np.testing.assert_allclose(served, reference_embed(reference, [f"after the {model} stub died"]), atol=1e-5)
     assert fault_server.pid == server_pid and fault_server.is_alive()
     assert any(name == model for name, _ in fault_server.watchdog.reloads)
+
+
+def test_an_operator_reload_is_not_taken_for_a_crash(fault_server, reference):
+    """The old stub of a reload exits after the new one is up; the watchdog must not reload again (it did, in a
+    loop: each reload's retired stub looked like a crash)."""
+    reloads = list(fault_server.watchdog.reloads)
+    base = f"http://{fault_server.http_url}/v2"
+    with urllib.request.urlopen(f"{base}/models/tokenizer/config", timeout=10) as response:  # noqa: S310
+        config = json.loads(response.read())
+    config.setdefault("parameters", {})["OPERATOR_RELOAD"] = {"string_value": str(time.time_ns())}  # a real load
+    request = urllib.request.Request(  # noqa: S310 - our loopback server
+        f"{base}/repository/models/tokenizer/load",
+        data=json.dumps({"parameters": {"config": json.dumps(config)}}).encode(),
+        headers={fault_server.config.admin_header: fault_server.config.admin_key},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310
+        assert response.status == 200
+    time.sleep(6)  # the retired stub exits; the watchdog looks every second
+    assert fault_server.watchdog.reloads == reloads
+    with EmbeddingClient(url=fault_server.grpc_url, retries=0) as client:
+        text = "served after an operator's reload"
+        np.testing.assert_allclose(client.embed([text]), reference_embed(reference, [text]), atol=1e-5)
 
 
 def test_a_killed_stub_leaves_no_shared_memory_once_the_server_stops(tmp_path):

@@ -2,10 +2,14 @@
 
 Triton 2.51's Python backend does not restart a stub that was killed (out of memory, SIGKILL): the model stays
 READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
-machines). The watchdog polls the server's child processes once a second; when a stub disappears, it reloads
+machines). The watchdog polls the server's child processes once a second; when a stub has died, it reloads
 that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's current
 config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old instance
 keeps answering), using the admin header.
+
+"Died" means the stub is a zombie child of ``tritonserver``: Triton 2.51 does not reap a stub that crashed, while
+one that Triton stops itself (an unload, an operator's reload, the watchdog's own reload, shutdown) is reaped at
+once and simply vanishes. Counting every vanished stub as dead made each reload set off the next one.
 
 Run as a script (``python3 supervisor.py --server-pid PID``, stdlib only, Python >= 3.10) it is the compose
 deployment's watchdog: docker/triton-entrypoint.sh starts it beside ``tritonserver`` in the container.
@@ -71,6 +75,27 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     return stubs
 
 
+def crashed_stubs(server_pid: int, known: dict[int, str], confirm_s: float = 0.25) -> dict[int, str]:
+    """Those of ``known`` (``{pid: model}``) that are zombie children of ``server_pid``: stubs that died unreaped.
+
+    A zombie is looked at twice, ``confirm_s`` apart: a stub that Triton stops is a zombie only for the moment
+    between its exit and Triton's ``waitpid``, a crashed one until its model is reloaded.
+    """
+    dead = {pid: model for pid, model in known.items() if _zombie_child(pid, server_pid)}
+    if dead:
+        time.sleep(confirm_s)
+        dead = {pid: model for pid, model in dead.items() if _zombie_child(pid, server_pid)}
+    return dead
+
+
+def _zombie_child(pid: int, parent: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] == "Z" and int(fields[1]) == parent
+
+
 class StubWatchdog:
     """A daemon thread reloading models whose stub died; stops with :meth:`stop`.
 
@@ -111,18 +136,23 @@ class StubWatchdog:
                 log.exception("stub watchdog tick failed")
 
     def _tick(self, known: dict[int, str]) -> dict[int, str]:
-        """Reload models whose stubs are gone since ``known``; return the stubs to compare with next time."""
-        current = stub_processes(self.server_pid)
-        dead_models = sorted({model for pid, model in known.items() if pid not in current})
-        if dead_models and not server_answers(self.http_url, "live"):
-            return known  # shutting down (its stubs exit), or not answering: look again next tick
-        for model in dead_models:
-            if self._stop.is_set():
-                break
-            self._reload(model)
-        return stub_processes(self.server_pid) if dead_models else current
+        """Reload models whose stubs in ``known`` died; return the stubs to look at next time.
 
-    def _reload(self, model: str) -> None:
+        Stubs that Triton started since (a reload) join the next look; those it stopped drop out. A model whose
+        reload failed, or that died while the server was not answering ``live`` (shutting down), keeps its dead
+        stub in the next look, so it is tried again.
+        """
+        dead = crashed_stubs(self.server_pid, known)
+        if dead and not server_answers(self.http_url, "live"):
+            return known
+        failed = {}
+        for model in sorted(set(dead.values())):
+            if self._stop.is_set() or not self._reload(model):
+                failed |= {pid: m for pid, m in dead.items() if m == model}
+        return stub_processes(self.server_pid) | failed
+
+    def _reload(self, model: str) -> bool:
+        """Reload ``model`` with its current config (see the module docstring); False if that failed."""
         start = time.monotonic()
         log.warning("stub process of model '%s' died; reloading the model", model)
         try:
@@ -142,10 +172,11 @@ class StubWatchdog:
                 response.read()
         except (urllib.error.URLError, OSError) as exc:
             log.error("reloading model '%s' failed: %s", model, exc)
-            return
+            return False
         took = time.monotonic() - start
         self.reloads.append((model, took))
         log.warning("model '%s' reloaded in %.1f s", model, took)
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:

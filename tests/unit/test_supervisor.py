@@ -12,7 +12,7 @@ import sys
 import time
 
 from triton_embed_server.embedded import free_port
-from triton_embed_server.supervisor import main, process_alive, server_answers
+from triton_embed_server.supervisor import crashed_stubs, main, process_alive, server_answers
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "server", "triton_embed_server", "supervisor.py")
 
@@ -46,3 +46,24 @@ def test_the_script_exits_at_once_when_the_server_is_already_gone():
         env={"TRITON_EMBED_ADMIN_KEY": "k"}, capture_output=True, text=True, check=False, timeout=30,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def test_only_an_unreaped_stub_counts_as_crashed():
+    """Triton reaps a stub it stops (unload, reload, shutdown) at once; a crashed one stays a zombie: only that one
+    is a crash. This test process plays tritonserver, its children the stubs."""
+    stubs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]  # noqa: S607 - coreutils
+    crashed, retired, alive = stubs
+    try:
+        crashed.kill()  # killed and not reaped: a zombie, as Triton 2.51 leaves a crashed stub
+        retired.kill()
+        retired.wait()  # reaped: gone from /proc
+        known = {crashed.pid: "tokenizer", retired.pid: "encoder", alive.pid: "encoder"}
+        deadline = time.monotonic() + 10
+        while process_alive(crashed.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert crashed_stubs(os.getpid(), known, confirm_s=0.05) == {crashed.pid: "tokenizer"}
+        assert crashed_stubs(os.getpid() + 1, known, confirm_s=0.05) == {}  # another parent's zombie is not ours
+    finally:
+        for stub in stubs:
+            stub.kill()
+            stub.wait()
