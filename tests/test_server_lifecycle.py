@@ -81,6 +81,19 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(serve_process):
     assert process_gone(server_pid)
 
 
+def test_a_second_serve_on_a_port_in_use_fails_at_once_and_leaves_the_first_serving(serve_process):
+    proc, server_pid, ports, _ = serve_process
+    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0],
+           "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]  # fmt: skip
+    second = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"http port {ports[0]} on 127.0.0.1 is in use" in second.stderr
+    assert "ready" not in second.stdout and "restart" not in second.stdout + second.stderr
+    with EmbeddingClient(url=f"127.0.0.1:{ports[1]}") as client:
+        assert client.embed(["the first server still serves"]).shape == (1, 384)
+    assert proc.poll() is None and not process_gone(server_pid)
+
+
 def test_no_orphan_server_when_parent_is_killed(serve_process):
     proc, server_pid, _, _ = serve_process
     assert server_pid and not process_gone(server_pid)

@@ -93,6 +93,21 @@ def _die_with_parent() -> None:
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """True if something listens on ``host:port`` now.
+
+    A probe bind with ``SO_REUSEADDR``, as servers bind: a port left in TIME_WAIT by a server that just stopped
+    counts as free.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _spawn_args(command: list[str]) -> tuple[list[str], object]:
     """``(argv, preexec_fn)`` that start ``command`` with the parent-death signal set."""
     if _SETPRIV:
@@ -172,10 +187,19 @@ class EmbeddedServer:
         """Start tritonserver; does not wait for readiness (see :meth:`wait_ready`).
 
         Raises:
-            ServerError: already started. LayoutError: nvidia-pytriton files missing.
+            ServerError: already started, or a configured port is in use (Triton would load every model and only
+                then fail to bind, while readiness checks reached whatever holds the port).
+            LayoutError: nvidia-pytriton files missing.
         """
         if self._process is not None:
             raise ServerError("server already started")
+        for kind in ("http", "grpc", "metrics"):
+            port = getattr(self.config, f"{kind}_port")
+            if port and port_in_use(self.config.host, port):
+                raise ServerError(
+                    f"{kind} port {port} on {self.config.host} is in use (another `make serve` or tritonserver?): "
+                    f"stop it, or choose another port (--{kind}-port, make {kind.upper()}_PORT=...)"
+                )
         ports = {k: getattr(self.config, k) or free_port() for k in ("http_port", "grpc_port", "metrics_port")}
         self.config = replace(self.config, **ports, admin_key=self.config.admin_key or secrets.token_urlsafe(24))
         model_pt = self.config.model_repository / "encoder" / "1" / "model.pt"
