@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_embed import EmbeddingClient, ServerUnavailableError
+from triton_embed import AsyncEmbeddingClient, EmbeddingClient, ServerUnavailableError
 from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError
 from triton_embed.transport import retryable
 from triton_embed_server.embedded import EmbeddedServer
@@ -63,6 +64,31 @@ def test_open_close_cycles_do_not_grow_memory(server):
         for n in server_regions(server.grpc_url, server.admin_headers("grpc"))
         if n.startswith(f"triton_embed_{os.getpid()}_")
     ]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http", "aio-grpc", "aio-http"])
+def test_a_timeout_is_a_timeout_error_and_is_not_retried(server, protocol):
+    """Both protocols, sync and asyncio: the HTTP client's socket timeout used to pass for an outage (retried)."""
+    transport = protocol.removeprefix("aio-")
+    url = server.grpc_url if transport == "grpc" else server.http_url
+    unique = f"{protocol} {time.time_ns()}"  # no response-cache hit
+    texts = [" ".join(f"w{i}x{j}" for j in range(200)) + unique for i in range(64)]  # ~1 s of encoder work
+    if protocol.startswith("aio-"):
+
+        async def call() -> AsyncEmbeddingClient:
+            async with AsyncEmbeddingClient(url=url, protocol=transport, timeout_s=0.05, retries=2) as client:
+                with pytest.raises(EmbeddingTimeoutError):
+                    await client.embed(texts)
+            return client
+
+        client = asyncio.run(call())
+    else:
+        with (
+            EmbeddingClient(url=url, protocol=transport, timeout_s=0.05, retries=2) as client,
+            pytest.raises(EmbeddingTimeoutError),
+        ):
+            client.embed(texts)
+    assert client.stats().retries == 0 and client.stats().errors == 1
 
 
 def test_retry_policy():

@@ -48,10 +48,12 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
         cls = ServerUnavailableError
     if cls is None:
         lowered = message.lower()
-        if isinstance(exc, (ConnectionError, OSError)) or "connect" in lowered or "unavailable" in lowered:
-            cls = ServerUnavailableError
-        elif "timed out" in lowered or "deadline" in lowered:
+        # timeouts first: the HTTP client's socket.timeout is an OSError too, and a timed-out request may still be
+        # running on the server, so it must not be taken for an outage and retried
+        if isinstance(exc, TimeoutError) or "timed out" in lowered or "deadline" in lowered:
             cls = EmbeddingTimeoutError
+        elif isinstance(exc, (ConnectionError, OSError)) or "connect" in lowered or "unavailable" in lowered:
+            cls = ServerUnavailableError
         else:
             cls = ServerError
     return cls(f"model '{model}' at {url}: {message}")
