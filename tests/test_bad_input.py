@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from helpers import infer, text_tensor
-from triton_embed import EmbeddingClient, InvalidInputError
+from triton_embed import AsyncEmbeddingClient, EmbeddingClient, InvalidInputError
 from triton_embed.errors import from_triton
 from tritonclient.utils import InferenceServerException
 
@@ -52,6 +53,35 @@ def test_server_invalid_arg_maps_to_invalid_input_error(server, protocol):
     error = from_triton(info.value, model="embed", url=url)
     assert isinstance(error, InvalidInputError)
     assert f"model 'embed' at {url}" in str(error) and "not valid UTF-8" in str(error)
+
+
+@pytest.mark.parametrize("mode", ["split", "coalesce", "async"])
+def test_a_server_side_error_names_the_callers_index_not_the_row_of_its_request(server, mode):
+    """A call of 100 texts goes out as requests of 64; the server's "row 6" is the caller's texts[70]."""
+    texts = [f"fine text {i} {mode}" for i in range(100)]
+    texts[70] = "x" * 70_000  # over MAX_TEXT_BYTES (65536): rejected by the tokenizer, not the client
+    if mode == "coalesce":  # only the distinct texts are sent: row 1 of the request is the caller's texts[3]
+        texts = ["same", "same", "same", "y" * 70_000]
+    if mode == "async":
+
+        async def call() -> None:
+            async with AsyncEmbeddingClient(url=server.grpc_url) as client:
+                await client.embed(texts)
+
+        with pytest.raises(InvalidInputError) as info:
+            asyncio.run(call())
+    else:
+        with (
+            EmbeddingClient(url=server.grpc_url, coalesce=mode == "coalesce") as client,
+            pytest.raises(InvalidInputError) as info,
+        ):
+            client.embed(texts)
+    index = 3 if mode == "coalesce" else 70
+    row = 1 if mode == "coalesce" else 6
+    message = str(info.value)
+    assert f"row {row} has 70000 bytes; the limit is 65536 bytes" in message, message
+    assert message.endswith(f"(texts[{index}] of this call)") and info.value.text == texts[index]
+    assert isinstance(info.value.__cause__, InferenceServerException)  # the tritonclient error, as documented
 
 
 def test_client_rejects_non_text_before_sending(server):

@@ -11,7 +11,7 @@ from triton_embed import server_stats
 from triton_embed.base import ClientBase
 from triton_embed.client import Health
 from triton_embed.coalesce import AsyncCoalescer
-from triton_embed.errors import EmbeddingError, from_triton
+from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
@@ -83,9 +83,12 @@ class AsyncEmbeddingClient(ClientBase):
         items = as_texts(texts)
         if not items:
             return np.zeros((0, max_batch_and_dim(await self._model_config())[1]), dtype=np.float32)
-        if self._coalescer is not None:
-            return await self._coalescer.run(items, self._embed_chunks)
-        return await self._embed_chunks(items)
+        try:
+            if self._coalescer is not None:
+                return await self._coalescer.run(items, self._embed_chunks)
+            return await self._embed_chunks(items)
+        except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
+            raise at_call_index(exc, items) from exc.__cause__
 
     async def similarity(self, a: str, b: str) -> float:
         """Cosine similarity of two texts, in [-1, 1]."""
@@ -123,7 +126,11 @@ class AsyncEmbeddingClient(ClientBase):
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
             call = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs(bulk))
-            result = await asyncio.wait_for(call, timeout=self.settings.timeout_s + 1)
+            try:
+                result = await asyncio.wait_for(call, timeout=self.settings.timeout_s + 1)
+            except InvalidInputError as exc:
+                note_request_row(exc, texts)
+                raise
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array
         except TimeoutError as exc:

@@ -14,7 +14,7 @@ import numpy as np
 from triton_embed import server_stats
 from triton_embed.base import ClientBase
 from triton_embed.coalesce import Coalescer
-from triton_embed.errors import EmbeddingError, from_triton
+from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
@@ -161,9 +161,12 @@ class EmbeddingClient(ClientBase):
         items = as_texts(texts)
         if not items:
             return np.zeros((0, self.dim), dtype=np.float32)
-        if self._coalescer is not None:
-            return self._coalescer.run(items, self._embed_chunks)
-        return self._embed_chunks(items)
+        try:
+            if self._coalescer is not None:
+                return self._coalescer.run(items, self._embed_chunks)
+            return self._embed_chunks(items)
+        except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
+            raise at_call_index(exc, items) from exc.__cause__
 
     def similarity(self, a: str, b: str) -> float:
         """Cosine similarity of two texts, in [-1, 1] (dot product of their unit-norm embeddings)."""
@@ -202,7 +205,11 @@ class EmbeddingClient(ClientBase):
         pool, region = self._acquire_region(client, texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
-            result = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs(bulk))
+            try:
+                result = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs(bulk))
+            except InvalidInputError as exc:
+                note_request_row(exc, texts)
+                raise
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array
         finally:

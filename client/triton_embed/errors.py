@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
 
 class EmbeddingError(Exception):
     """Base class of every error this library raises."""
 
 
 class InvalidInputError(EmbeddingError):
-    """The request was rejected as bad input (gRPC INVALID_ARGUMENT / HTTP 400); retrying will not help."""
+    """The request was rejected as bad input (gRPC INVALID_ARGUMENT / HTTP 400); retrying will not help.
+
+    Attributes:
+        text: the text the server's message names by its row in the request, when it names one (else None).
+    """
+
+    text: str | None = None
 
 
 class ServerUnavailableError(EmbeddingError):
@@ -57,3 +65,28 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
         else:
             cls = ServerError
     return cls(f"model '{model}' at {url}: {message}")
+
+
+_ROW = re.compile(r"\brow (\d+)\b")  # how the tokenizer names a bad text: "input 'TEXT' row 6 has 70000 bytes"
+
+
+def note_request_row(exc: EmbeddingError, texts: list[str]) -> EmbeddingError:
+    """Remember, on an :class:`InvalidInputError`, which of one request's ``texts`` its message names by row."""
+    match = _ROW.search(str(exc))
+    if isinstance(exc, InvalidInputError) and match and int(match.group(1)) < len(texts):
+        exc.text = texts[int(match.group(1))]
+    return exc
+
+
+def at_call_index(exc: EmbeddingError, items: list[str]) -> EmbeddingError:
+    """The error with the caller's index of the text it names (``texts[70] of this call``), or ``exc`` as it is.
+
+    A call is split into requests of ``max_batch_size`` texts (and, with ``coalesce``, only its distinct texts
+    not already in flight are sent), so the server's row numbers count within one request, not the caller's list.
+    """
+    text = getattr(exc, "text", None)
+    if text is None or text not in items:
+        return exc
+    located = type(exc)(f"{exc} (texts[{items.index(text)}] of this call)")
+    located.text = text
+    return located
