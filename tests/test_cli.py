@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +48,31 @@ def test_non_utf8_stdin_is_a_clear_error_naming_the_line_and_byte(server):
     done = subprocess.run(command, input=b"good\nab\xffcd\n", capture_output=True, timeout=120, check=False)
     stderr = done.stderr.decode()
     assert done.returncode == 1, stderr
-    assert "InvalidInputError" in stderr and "texts[1] is not valid UTF-8" in stderr and "0xff" in stderr, stderr
+    assert "InvalidInputError" in stderr and "texts[1] (input line 2) is not valid UTF-8" in stderr, stderr
+    assert "0xff" in stderr
+
+
+def test_a_server_side_error_names_the_input_line(server):
+    lines = "\n".join(["first", "second", "x" * 70_000, "fourth"]) + "\n"  # line 3 is over MAX_TEXT_BYTES
+    done = run_cli("embed", "--url", server.grpc_url, stdin=lines)
+    assert done.returncode == 1 and "row 2 has 70000 bytes" in done.stderr, done.stderr
+    assert "(texts[2] (input line 3) of this call)" in done.stderr, done.stderr
+
+
+def test_embed_without_texts_on_a_terminal_says_so_instead_of_waiting():
+    main, terminal = os.openpty()
+    try:
+        done = subprocess.run([*CLI, "embed"], stdin=terminal, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        os.close(main)
+        os.close(terminal)
+    assert done.returncode == 2 and "no texts: give them as arguments, with --file, or as lines on stdin" in done.stderr
+
+
+def test_version():
+    done = run_cli("--version")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert done.returncode == 0 and done.stdout.strip() == f"triton-embed {project['version']}"
 
 
 def test_similarity_prints_cosine(server, reference):

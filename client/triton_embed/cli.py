@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from triton_embed import server_stats
 from triton_embed.client import EmbeddingClient
@@ -25,6 +27,7 @@ from triton_embed.errors import EmbeddingError
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triton-embed", description="Client for the triton-embed service.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--url", help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)"
@@ -49,17 +52,52 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    try:
+        return version("triton-embed")
+    except PackageNotFoundError:  # run from a checkout without installing
+        return "(not installed)"
+
+
+def _with_line_numbers(message: str) -> str:
+    """``texts[i]`` in a message about input lines also as ``line i+1`` (lines count from 1, the list from 0)."""
+    return re.sub(r"texts\[(\d+)\]", lambda m: f"{m.group(0)} (input line {int(m.group(1)) + 1})", message)
+
+
+def _embed(client: EmbeddingClient, args: argparse.Namespace) -> int:
+    """``embed``: one vector (or JSON row) per text, in input order."""
+    # one text per line of --file or stdin, blank lines included (they embed the empty string), so output line i
+    # always belongs to input line i; lines are read as bytes: the client checks their UTF-8 and names the byte
+    from_lines = not args.texts
+    texts = args.texts or [line.rstrip(b"\r\n") for line in (args.file or sys.stdin.buffer)]
+    try:
+        vectors = client.embed(texts)
+    except EmbeddingError as exc:
+        if from_lines:
+            raise type(exc)(_with_line_numbers(str(exc))) from exc
+        raise
+    if args.json:
+        shown = [t.decode() if isinstance(t, bytes) else t for t in texts]
+        rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(shown, vectors, strict=True)]
+        print(json.dumps(rows))
+    else:
+        for vector in vectors:
+            print(" ".join(f"{x:.6f}" for x in vector))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns 0, 1 on a service error (or ``health`` when the model is not ready), 2 on bad arguments."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "embed" and not args.texts and args.file is None and sys.stdin.isatty():
+        parser.error("embed: no texts: give them as arguments, with --file, or as lines on stdin")
     try:
         with EmbeddingClient(url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout) as client:
             if args.command == "similarity":
                 score = client.similarity(args.a, args.b)
                 print(json.dumps({"a": args.a, "b": args.b, "cosine": score}) if args.json else f"{score:.6f}")
                 return 0
-            # one text per stdin line, blank lines included (they embed the empty string), so output line i
-            # always belongs to input line i
             if args.command == "health":
                 health = client.health()
                 print(
@@ -72,17 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = client.server_stats()
                 print(json.dumps([r.as_dict() for r in rows]) if args.json else server_stats.table(rows))
                 return 0
-            # lines are read as bytes: the client checks their UTF-8 and names the line (texts[i]) and the byte
-            texts = args.texts or [line.rstrip(b"\r\n") for line in (args.file or sys.stdin.buffer)]
-            vectors = client.embed(texts)
-            if args.json:
-                shown = [t.decode() if isinstance(t, bytes) else t for t in texts]
-                rows = [{"text": t, "embedding": v.tolist()} for t, v in zip(shown, vectors, strict=True)]
-                print(json.dumps(rows))
-            else:
-                for vector in vectors:
-                    print(" ".join(f"{x:.6f}" for x in vector))
-            return 0
+            return _embed(client, args)
     except (EmbeddingError, ValueError) as exc:
         print(f"triton-embed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
