@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from conftest import reference_embed
 from helpers import infer, text_tensor
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient, InvalidInputError
 from triton_embed.errors import from_triton
@@ -121,3 +125,21 @@ def test_encoder_rejects_bad_tensors_with_the_limit_and_value(server, ids, mask,
         server.grpc_url, "encoder", encoder_inputs(np.array([[101, 7592, 102]]), np.ones((1, 3))), ["embedding__0"]
     )
     assert ok["embedding__0"].shape == (1, 384)
+
+
+def test_non_kserve_http_bodies_get_tritons_own_answers(server, reference):
+    """Triton 2.51's HTTP frontend, before our code: documented in the README's limits table, pinned here."""
+    url = f"http://{server.http_url}/v2/models/embed/infer"
+    for body, fragment in ((b"{}", "Unable to parse 'inputs'"), (b"{bad", "failed to parse the request JSON buffer")):
+        request = urllib.request.Request(url, data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)  # noqa: S310 - our loopback server
+        assert info.value.code == 500 and fragment in info.value.read().decode()
+    request = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+        header_length = int(response.headers["Inference-Header-Content-Length"])
+        raw = response.read()
+    header = json.loads(raw[:header_length])
+    assert header["outputs"][0]["shape"] == [1, 384]
+    vector = np.frombuffer(raw[header_length:], dtype=np.float32).reshape(1, 384)
+    np.testing.assert_allclose(vector, reference_embed(reference, [""]), atol=1e-5)  # the empty text's embedding
