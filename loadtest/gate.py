@@ -74,6 +74,9 @@ class GateResult:
         p50_ms, p95_ms, p99_ms, max_ms: latency of the successful requests, milliseconds (0.0 when none).
         reasons: one line per limit that was missed, naming the measure, the value and the limit.
         spec: the limits applied.
+        warmup_requests, warmup_failures: requests that started before the window (not judged), and how many of
+            them failed (e.g. refused while admission control calibrated on an idle server); shown in the line
+            when any failed, so the verdict and Locust's whole-run table can be read together.
     """
 
     passed: bool
@@ -87,6 +90,8 @@ class GateResult:
     max_ms: float
     reasons: tuple[str, ...]
     spec: SlaSpec = field(default_factory=SlaSpec)
+    warmup_requests: int = 0
+    warmup_failures: int = 0
 
     @property
     def fail_ratio(self) -> float:
@@ -101,6 +106,11 @@ class GateResult:
             f"failures {self.failures}/{self.requests} = {100 * self.fail_ratio:.3f}% "
             f"(limit {100 * s.max_fail_ratio:g}%), {self.throughput_rps:.1f} req/s over {self.window_s:.1f} s"
         )
+        if self.warmup_failures:
+            figures += (
+                f"; not judged: {self.warmup_failures} of {self.warmup_requests} requests failed in the warm-up "
+                f"before the window"
+            )
         if self.passed:
             return f"SLA PASS: {figures}"
         return f"SLA FAIL: {'; '.join(self.reasons)} -- {figures}"
@@ -129,6 +139,7 @@ def evaluate(samples: list[Sample], start_s: float, end_s: float, spec: SlaSpec)
     if end_s <= start_s:
         raise ValueError(f"empty measurement window: it starts at {start_s:.1f} and ends at {end_s:.1f} (s)")
     chosen = window(samples, start_s, end_s)
+    before = [x for x in samples if x.start_s < start_s]
     ok = np.array([x.response_ms for x in chosen if not x.failed])
     failures = sum(x.failed for x in chosen)
     p50, p95, p99 = percentiles(ok, [50, 95, 99])
@@ -153,6 +164,8 @@ def evaluate(samples: list[Sample], start_s: float, end_s: float, spec: SlaSpec)
         max_ms=float(ok.max()) if ok.size else 0.0,
         reasons=tuple(reasons),
         spec=spec,
+        warmup_requests=len(before),
+        warmup_failures=sum(x.failed for x in before),
     )
 
 

@@ -30,6 +30,16 @@ def test_requests_before_the_window_are_left_out():
     assert result.passed, result.line()
     assert result.requests == 200 and result.p99_ms == 20.0
     assert result.throughput_rps == pytest.approx(20.0)
+    assert "not judged" not in result.line()  # none of them failed
+
+
+def test_failures_in_the_warm_up_are_shown_but_not_judged():
+    ramp = samples([5000.0] * 50, start=90.0, failed={1, 2, 3})
+    steady = samples([20.0] * 200, start=100.0)
+    result = evaluate(ramp + steady, 100.0, 110.0, SlaSpec())
+    assert result.passed and result.failures == 0
+    assert (result.warmup_requests, result.warmup_failures) == (50, 3)
+    assert result.line().endswith("; not judged: 3 of 50 requests failed in the warm-up before the window")
 
 
 def test_failure_ratio_and_minimum_requests():
