@@ -149,7 +149,9 @@ class StubWatchdog:
         for model in sorted(set(dead.values())):
             if self._stop.is_set() or not self._reload(model):
                 failed |= {pid: m for pid, m in dead.items() if m == model}
-        return stub_processes(self.server_pid) | failed
+        # a stub that died after crashed_stubs looked is a zombie now, which stub_processes leaves out: keep it
+        late = {pid: m for pid, m in known.items() if pid not in dead and _zombie_child(pid, self.server_pid)}
+        return stub_processes(self.server_pid) | failed | late
 
     def _reload(self, model: str) -> bool:
         """Reload ``model`` with its current config (see the module docstring); False if that failed."""

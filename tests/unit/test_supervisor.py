@@ -67,3 +67,24 @@ def test_only_an_unreaped_stub_counts_as_crashed():
         for stub in stubs:
             stub.kill()
             stub.wait()
+
+
+def test_a_stub_that_dies_during_a_look_is_kept_for_the_next_one(monkeypatch):
+    """A stub dying between the crash check and the rescan is a zombie at the rescan, which lists live stubs only:
+    it must stay on the watch list, or its crash is never seen (a new user's trial missed one kill in ~14)."""
+    import triton_embed_server.supervisor as supervisor
+
+    stub = subprocess.Popen(["sleep", "60"])  # noqa: S607 - coreutils; this test process plays tritonserver
+    try:
+        stub.kill()  # not reaped: a zombie, as a crashed stub
+        deadline = time.monotonic() + 10
+        while process_alive(stub.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setattr(supervisor, "crashed_stubs", lambda *_: {})  # the look came just before the death
+        watchdog = supervisor.StubWatchdog(
+            server_pid=os.getpid(), http_url=f"127.0.0.1:{free_port()}", admin_header="h", admin_key="k"
+        )
+        assert watchdog._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
+    finally:
+        stub.kill()
+        stub.wait()
