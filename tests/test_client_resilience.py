@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -89,6 +92,47 @@ def test_a_timeout_is_a_timeout_error_and_is_not_retried(server, protocol):
         ):
             client.embed(texts)
     assert client.stats().retries == 0 and client.stats().errors == 1
+    # the abandoned request still runs (~1 s); wait it out (budget 0: queued, never refused) so that the next
+    # tests do not find the encoder busy with it
+    with EmbeddingClient(url=server.grpc_url, latency_budget_ms=0, timeout_s=60) as drain:
+        drain.embed([f"after the timeout {unique}"])
+
+
+def test_one_headers_dict_serves_binary_json_and_shared_memory_clients_in_turn(server):
+    """tritonclient's HTTP client writes Inference-Header-Content-Length into the headers dict it is given; the
+    README's pattern (one dict with the admin key) then broke the next JSON or shared-memory client."""
+    headers = server.admin_headers("http")
+    kept = dict(headers)
+    for options in ({}, {"binary": False}, {"use_shared_memory": True}, {"binary": False}):
+        with EmbeddingClient(url=server.http_url, protocol="http", headers=headers, **options) as client:
+            assert client.embed([f"one dict, {options}"]).shape == (1, 384)
+    assert headers == kept
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_client_never_closed_unregisters_its_shared_memory_at_interpreter_exit(server, kind):
+    """Needs the admin header on the server, which the exit cleanup used to leave out (sync) or skip (async)."""
+    script = f"""
+import asyncio, sys
+from triton_embed import AsyncEmbeddingClient, EmbeddingClient
+headers = {server.admin_headers("grpc")!r}
+if {kind!r} == "sync":
+    client = EmbeddingClient(url={server.grpc_url!r}, use_shared_memory=True, headers=headers)
+    client.embed(["left open"])
+else:
+    async def main():
+        global client
+        client = AsyncEmbeddingClient(url={server.grpc_url!r}, use_shared_memory=True, headers=headers)
+        await client.embed(["left open"])
+    asyncio.run(main())
+print(client._shm.regions)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    regions = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert regions, done.stdout
+    assert not set(regions) & set(server_regions(server.grpc_url, server.admin_headers("grpc")))
+    assert "leaked shared_memory" not in done.stderr
 
 
 def test_retry_policy():

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 
 import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.base import ClientBase
-from triton_embed.client import Health
+from triton_embed.client import Health, close_pool_at_exit
 from triton_embed.coalesce import AsyncCoalescer
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
 from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
     backoff,
+    copied,
     max_batch_and_dim,
     retryable,
 )
@@ -45,6 +47,10 @@ class AsyncEmbeddingClient(ClientBase):
         self._coalescer = AsyncCoalescer() if self.settings.coalesce else None
         self._shm = ShmPool() if self.settings.use_shared_memory else None
         self._client = None
+        if self._shm is not None:  # a client never closed still unregisters and frees its regions at exit
+            self._finalizer = weakref.finalize(
+                self, close_pool_at_exit, self._shm, self.settings.protocol, self.url, self.settings.headers
+            )
 
     def _conn(self):
         if self._closed:
@@ -59,7 +65,7 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def _call(self, method: str, *args, **kwargs):
         try:
-            return await getattr(self._conn(), method)(*args, headers=self.settings.headers, **kwargs)
+            return await getattr(self._conn(), method)(*args, headers=copied(self.settings.headers), **kwargs)
         except EmbeddingError:
             raise
         except Exception as exc:

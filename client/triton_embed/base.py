@@ -53,7 +53,8 @@ class ClientBase:
                 falls back to the network with a ``RuntimeWarning`` when the server cannot register the regions.
             coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
             max_concurrency: chunks of one long list sent at the same time.
-            headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key).
+            headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key); copied, so
+                the caller's dict is never changed and may be shared between clients.
             latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long the server may take
                 before it sheds this request as overloaded (ms; 0 = never shed, for bulk jobs that prefer slow to
                 rejected; fractions allowed). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
@@ -64,7 +65,9 @@ class ClientBase:
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
-                ``protocol``, ``truncate`` not a bool, or a setting out of range.
+                ``protocol`` (or ``$TRITON_EMBED_PROTOCOL``, when both come from the environment), ``truncate``
+                or ``binary`` not a bool, ``headers`` not a dict of str, or a setting out of range
+                (``timeout_s``, ``retries``, ``backoff_s``, ``max_concurrency``, ``latency_budget_ms``).
         """
         self.settings = Settings.make(
             url=url,

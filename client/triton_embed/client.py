@@ -19,6 +19,7 @@ from triton_embed.inputs import TextsLike, as_texts
 from triton_embed.shm import ShmPool
 from triton_embed.transport import (
     backoff,
+    copied,
     max_batch_and_dim,
     normalise_url,
     retryable,
@@ -44,13 +45,17 @@ def _protocol_module(protocol: str):
     return module
 
 
-def _close_pool(pool: ShmPool, protocol: str, url: str) -> None:
-    """Interpreter-exit cleanup of a client that was never closed: unregister and destroy its regions."""
+def close_pool_at_exit(pool: ShmPool, protocol: str, url: str, headers: dict | None) -> None:
+    """Interpreter-exit cleanup of a client (sync or asyncio) that was never closed.
+
+    Unregisters its regions with the client's headers (the shared-memory API is behind the admin header) and
+    destroys them.
+    """
     if pool.closed:
         return
     client = _protocol_module(protocol).InferenceServerClient(url)
     try:
-        pool.close(client.unregister_system_shared_memory, timeout_s=5.0)
+        pool.close(lambda name: client.unregister_system_shared_memory(name, headers=copied(headers)), timeout_s=5.0)
     finally:
         client.close()
 
@@ -85,7 +90,9 @@ class EmbeddingClient(ClientBase):
         self._shm: ShmPool | None = None
         if self.settings.use_shared_memory:
             self._shm = ShmPool()
-            self._finalizer = weakref.finalize(self, _close_pool, self._shm, self.settings.protocol, self.url)
+            self._finalizer = weakref.finalize(
+                self, close_pool_at_exit, self._shm, self.settings.protocol, self.url, self.settings.headers
+            )
 
     # -- public properties --------------------------------------------------------------------------------------------
     @property
@@ -123,7 +130,7 @@ class EmbeddingClient(ClientBase):
     def _call(self, method: str, *args, **kwargs):
         """Call a tritonclient method; map its errors to ours."""
         try:
-            return getattr(self._conn(), method)(*args, headers=self.settings.headers, **kwargs)
+            return getattr(self._conn(), method)(*args, headers=copied(self.settings.headers), **kwargs)
         except EmbeddingError:
             raise
         except Exception as exc:
@@ -225,7 +232,7 @@ class EmbeddingClient(ClientBase):
             return pool, region
         try:
             client.register_system_shared_memory(
-                region.name, region.key, region.byte_size, headers=self.settings.headers
+                region.name, region.key, region.byte_size, headers=copied(self.settings.headers)
             )
         except Exception as exc:  # noqa: BLE001 - any failure means: use the network instead
             self._give_up_shared_memory(pool, region, exc)
@@ -266,7 +273,7 @@ class EmbeddingClient(ClientBase):
             self._executor.shutdown(wait=True)
         if self._shm is not None and os.getpid() == self._pid:
             self._shm.close(
-                lambda name: self._conn().unregister_system_shared_memory(name, headers=self.settings.headers)
+                lambda name: self._conn().unregister_system_shared_memory(name, headers=copied(self.settings.headers))
             )
             self._finalizer.detach()
         self._closed = True

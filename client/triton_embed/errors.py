@@ -49,6 +49,8 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
     """
     status = str(exc.status()) if hasattr(exc, "status") and exc.status() is not None else ""
     message = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
+    if not (message or "").strip():  # asyncio's TimeoutError says nothing
+        message = "timed out: no answer within timeout_s" if isinstance(exc, TimeoutError) else type(exc).__name__
     cls = _BY_STATUS.get(status)
     if "is not healthy" in message:
         # A crashed Python backend stub (Triton reports INTERNAL): the server's watchdog reloads the model within

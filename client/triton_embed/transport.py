@@ -7,7 +7,7 @@ import os
 import random
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tritonclient.utils.shared_memory as shm
@@ -87,11 +87,16 @@ class Settings:
             ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency/latency budget
                 out of range.
         """
+        url_given = bool(url)
         url = url or os.environ.get(URL_ENV)
         scheme = url_protocol(url) if url else None
         if protocol and scheme and protocol.lower() != scheme:
             raise ValueError(f"protocol {protocol!r} contradicts the url's scheme: {url!r}")
-        protocol = (protocol or scheme or os.environ.get(PROTOCOL_ENV) or "grpc").lower()
+        from_env = os.environ.get(PROTOCOL_ENV)
+        # a url passed in picks its protocol over the environment's; two environment settings must agree
+        if not protocol and not url_given and scheme and from_env and from_env.lower() != scheme:
+            raise ValueError(f"${PROTOCOL_ENV}={from_env!r} contradicts the url's scheme: {url!r}")
+        protocol = (protocol or scheme or from_env or "grpc").lower()
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
         url = normalise_url(url or DEFAULT_URLS[protocol])
@@ -104,14 +109,20 @@ class Settings:
                 f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never shed); "
                 f"got {budget!r}"
             )
+        if not isinstance(settings.binary, bool):
+            raise ValueError(f"binary must be True or False; got {settings.binary!r}")
+        headers = settings.headers
+        strings = isinstance(headers, dict) and all(isinstance(x, str) for kv in headers.items() for x in kv)
+        if headers is not None and not strings:
+            raise ValueError(f"headers must be a dict of str to str; got {headers!r}")
         if settings.truncate is not None and not isinstance(settings.truncate, bool):
             raise ValueError(f"truncate must be True, False or None; got {settings.truncate!r}")
-        if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1:
+        if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1 or settings.backoff_s < 0:
             raise ValueError(
-                f"need timeout_s > 0, retries >= 0, max_concurrency >= 1; got {settings.timeout_s}, "
-                f"{settings.retries}, {settings.max_concurrency}"
+                f"need timeout_s > 0, retries >= 0, max_concurrency >= 1, backoff_s >= 0; got {settings.timeout_s}, "
+                f"{settings.retries}, {settings.max_concurrency}, {settings.backoff_s}"
             )
-        return settings
+        return replace(settings, headers=copied(headers))  # the caller's dict stays the caller's
 
 
 @dataclass
@@ -278,3 +289,12 @@ def max_batch_and_dim(config: dict) -> tuple[int, int]:
 
 
 __all__ = ["ClientStats", "Settings", "ShmPool"]
+
+
+def copied(headers: dict | None) -> dict | None:
+    """A fresh copy of ``headers`` for one call.
+
+    tritonclient's HTTP client adds ``Inference-Header-Content-Length`` to the dict it is given, which then
+    poisoned the next JSON or shared-memory request made with the same dict.
+    """
+    return dict(headers) if headers else None

@@ -70,3 +70,31 @@ def test_a_contradicting_or_unknown_scheme_is_rejected(kwargs, message):
 def test_truncate_must_be_a_bool():
     with pytest.raises(ValueError, match=re.escape("truncate must be True, False or None; got 'no'")):
         EmbeddingClient(truncate="no")
+
+
+def test_environment_protocol_that_contradicts_the_environment_url_is_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_EMBED_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("TRITON_EMBED_PROTOCOL", "grpc")
+    with pytest.raises(ValueError, match=r"\$TRITON_EMBED_PROTOCOL='grpc' contradicts the url's scheme"):
+        EmbeddingClient()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"backoff_s": -1}, "backoff_s >= 0"),
+        ({"binary": "no"}, "binary must be True or False; got 'no'"),
+        ({"headers": "x"}, "headers must be a dict of str to str; got 'x'"),
+        ({"headers": {"key": 1}}, "headers must be a dict of str to str"),
+    ],
+)
+def test_bad_settings_are_rejected_when_the_client_is_made(setting, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EmbeddingClient(**setting)
+
+
+def test_the_callers_headers_dict_is_never_changed():
+    headers = {"triton-embed-admin-key": "k"}
+    client = EmbeddingClient(protocol="http", headers=headers)
+    client.settings.headers["added-by-tritonclient"] = "1"  # what tritonclient's HTTP client does to the dict
+    assert headers == {"triton-embed-admin-key": "k"}
