@@ -9,11 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_embed import AsyncEmbeddingClient, EmbeddingClient, ServerUnavailableError
+from triton_embed import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, ServerUnavailableError
 from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError
 from triton_embed.transport import retryable
 from triton_embed_server.embedded import EmbeddedServer
@@ -133,6 +135,36 @@ print(client._shm.regions)
     assert regions, done.stdout
     assert not set(regions) & set(server_regions(server.grpc_url, server.admin_headers("grpc")))
     assert "leaked shared_memory" not in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["grpc", "http", "async-grpc", "async-http"])
+def test_close_waits_for_a_call_in_flight_and_refuses_later_ones(server, kind):
+    """A new user's close() from another thread/task broke a one-request call ("Channel closed!", CancelledError)."""
+    transport = kind.removeprefix("async-")
+    url = server.grpc_url if transport == "grpc" else server.http_url
+    texts = [" ".join(f"c{i}x{j}" for j in range(120)) + f" {kind} {time.time_ns()}" for i in range(16)]  # ~0.5 s
+    if kind.startswith("async-"):
+
+        async def run() -> np.ndarray:
+            client = AsyncEmbeddingClient(url=url, protocol=transport, latency_budget_ms=0)
+            call = asyncio.create_task(client.embed(texts))
+            await asyncio.sleep(0.1)  # the request is on the server now
+            await client.close()
+            with pytest.raises(EmbeddingError, match="is closed"):
+                await client.embed(["after close"])
+            return await call
+
+        vectors = asyncio.run(run())
+    else:
+        client = EmbeddingClient(url=url, protocol=transport, latency_budget_ms=0)
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(client.embed, texts)
+            time.sleep(0.1)
+            client.close()
+            vectors = call.result(timeout=60)
+        with pytest.raises(EmbeddingError, match="is closed"):
+            client.embed(["after close"])
+    assert vectors.shape == (16, 384)
 
 
 def test_retry_policy():

@@ -47,6 +47,8 @@ class AsyncEmbeddingClient(ClientBase):
         self._coalescer = AsyncCoalescer() if self.settings.coalesce else None
         self._shm = ShmPool() if self.settings.use_shared_memory else None
         self._client = None
+        self._calls = 0  # embed() calls in progress, which close() waits for
+        self._closing = False
         if self._shm is not None:  # a client never closed still unregisters and frees its regions at exit
             self._finalizer = weakref.finalize(
                 self, close_pool_at_exit, self._shm, self.settings.protocol, self.url, self.settings.headers
@@ -89,12 +91,17 @@ class AsyncEmbeddingClient(ClientBase):
         items = as_texts(texts)
         if not items:
             return np.zeros((0, max_batch_and_dim(await self._model_config())[1]), dtype=np.float32)
+        if self._closing:
+            raise self._closed_error()
+        self._calls += 1
         try:
             if self._coalescer is not None:
                 return await self._coalescer.run(items, self._embed_chunks)
             return await self._embed_chunks(items)
         except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
             raise at_call_index(exc, items) from exc.__cause__
+        finally:
+            self._calls -= 1
 
     async def similarity(self, a: str, b: str) -> float:
         """Cosine similarity of two texts, in [-1, 1]."""
@@ -184,9 +191,16 @@ class AsyncEmbeddingClient(ClientBase):
         return rows
 
     async def close(self) -> None:
-        """Unregister shared memory (after in-flight requests), close the connection. Idempotent."""
+        """Wait for in-flight calls, unregister shared memory, close the connection. Idempotent.
+
+        Calls in other tasks finish first (at most each attempt's ``timeout_s`` and its retries).
+        """
         if self._closed:
             return
+        self._closing = True
+        deadline = asyncio.get_running_loop().time() + self._longest_call_s()
+        while self._calls and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         if self._shm is not None:
             names = []
             await asyncio.to_thread(self._shm.close, names.append)

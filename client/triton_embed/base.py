@@ -93,6 +93,11 @@ class ClientBase:
         self._shm_lock = threading.Lock()
         self._setup()
 
+    def _longest_call_s(self) -> float:
+        """Longest one embed() call can take, seconds: every attempt's timeout plus the backoffs (capped at 2 s)."""
+        s = self.settings
+        return (s.retries + 1) * s.timeout_s + s.retries * 2.5
+
     def _protocol_module(self, protocol: str):
         """The tritonclient module for ``protocol`` (sync or aio); set by the subclass."""
         raise NotImplementedError

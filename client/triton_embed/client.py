@@ -87,6 +87,9 @@ class EmbeddingClient(ClientBase):
         self._local = threading.local()
         self._connections: list = []
         self._executor: ThreadPoolExecutor | None = None
+        self._calls = 0  # embed() calls in progress, which close() waits for
+        self._closing = False
+        self._idle = threading.Condition()
         self._shm: ShmPool | None = None
         if self.settings.use_shared_memory:
             self._shm = ShmPool()
@@ -168,12 +171,20 @@ class EmbeddingClient(ClientBase):
         items = as_texts(texts)
         if not items:
             return np.zeros((0, self.dim), dtype=np.float32)
+        with self._idle:
+            if self._closing:
+                raise self._closed_error()
+            self._calls += 1
         try:
             if self._coalescer is not None:
                 return self._coalescer.run(items, self._embed_chunks)
             return self._embed_chunks(items)
         except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
             raise at_call_index(exc, items) from exc.__cause__
+        finally:
+            with self._idle:
+                self._calls -= 1
+                self._idle.notify_all()
 
     def similarity(self, a: str, b: str) -> float:
         """Cosine similarity of two texts, in [-1, 1] (dot product of their unit-norm embeddings)."""
@@ -266,9 +277,16 @@ class EmbeddingClient(ClientBase):
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for in-flight requests, unregister shared memory, close connections. Idempotent."""
+        """Wait for in-flight requests, unregister shared memory, close connections. Idempotent.
+
+        Calls in other threads finish first (at most each attempt's ``timeout_s`` and its retries); later calls
+        raise ``EmbeddingError`` (the client is closed).
+        """
         if self._closed:
             return
+        with self._idle:
+            self._closing = True
+            self._idle.wait_for(lambda: self._calls == 0, timeout=self._longest_call_s())
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self._shm is not None and os.getpid() == self._pid:
