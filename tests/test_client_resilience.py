@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, ServerUnavailableError
-from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError
+from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError, from_triton
 from triton_embed.transport import retryable
 from triton_embed_server.embedded import EmbeddedServer
 
@@ -210,3 +210,16 @@ def test_stopped_server_fails_fast_then_retries_reach_it_again(own_server):
     assert outcome["vectors"].shape == (1, 384)
     assert outcome["retries"] >= 1
     assert outcome["waited"] < 120
+
+
+def test_a_draining_ensemble_is_unavailable_but_an_unknown_model_is_not():
+    """While the server drains before it stops, Triton answers 'has no available versions' (gRPC NOT_FOUND, HTTP
+    404): retryable, perhaps on another replica. A misspelt model name is not."""
+    from tritonclient.utils import InferenceServerException
+
+    draining = "Request for unknown model: 'embed' has no available versions"
+    for status in ("StatusCode.NOT_FOUND", "404"):
+        error = from_triton(InferenceServerException(draining, status=status), model="embed", url="u")
+        assert isinstance(error, ServerUnavailableError) and retryable(error)
+    typo = InferenceServerException("Request for unknown model: 'embedd' is not found", status="StatusCode.NOT_FOUND")
+    assert not retryable(from_triton(typo, model="embedd", url="u"))

@@ -138,7 +138,11 @@ def test_retrying_client_does_not_see_a_stub_crash(fault_server, reference):
     np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
 
 
-def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev):
+@pytest.mark.parametrize(("per_request", "threads", "signal_after_s"), [(1, 16, 2.0), (64, 10, 0.3)])
+def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev, per_request, threads, signal_after_s):
+    """Ten requests of 64 long texts at once, SIGTERM 0.3 s later: most still wait for the tokenizer, so their
+    encoder step would start after the signal, which Triton alone refused ("Server is stopping": 10 of 15 in a
+    trial) until the server drained the ensemble first (drain.py)."""
     ports = [str(free_port()) for _ in range(3)]
     cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
            "--metrics-port", ports[2]]  # fmt: skip
@@ -148,29 +152,34 @@ def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev):
         while time.monotonic() < deadline and "Ctrl-C stops it" not in (proc.stdout.readline() or "Ctrl-C stops it"):
             pass
         url = f"127.0.0.1:{ports[1]}"
-        texts = [f"{p.a} drained {i}" for i, p in enumerate(sts_dev[:400])]
+        # one-text requests: one STS-B sentence; 64-text ones: four sentences per text (~60-80 tokens)
+        words = 1 if per_request == 1 else 4
+        sentences = [" ".join(p.a for p in sts_dev[i : i + words]) for i in range(400)]
+        requests = [[f"{sentences[(n * per_request + k) % 400]} drained {n}.{k}" for k in range(per_request)]
+                    for n in range(400)]  # fmt: skip
         sent_before_signal = []
         answers = {}
 
         def worker(i: int) -> None:
-            with EmbeddingClient(url=url, retries=0, timeout_s=30) as client:
-                for n in range(i, len(texts), 16):
-                    sent_before_signal.append(n) if proc.returncode is None and not stopping.is_set() else None
+            # budget 0: nothing is refused for load, so every failure below is the shutdown's
+            with EmbeddingClient(url=url, retries=0, timeout_s=30, latency_budget_ms=0) as client:
+                for n in range(i, len(requests), threads):
                     if stopping.is_set():
                         return
+                    sent_before_signal.append(n)  # stopping is set before the signal: this one is sent before it
                     try:
-                        answers[n] = client.embed([texts[n]])
+                        answers[n] = client.embed(requests[n])
                     except Exception as exc:  # noqa: BLE001 - checked below
                         answers[n] = exc
 
         stopping = threading.Event()
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-        for t in threads:
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        for t in workers:
             t.start()
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGTERM)
+        time.sleep(signal_after_s)
         stopping.set()
-        for t in threads:
+        proc.send_signal(signal.SIGTERM)
+        for t in workers:
             t.join(timeout=60)
         assert proc.wait(timeout=60) == 0
         lost = [n for n in sent_before_signal if not isinstance(answers.get(n), np.ndarray)]

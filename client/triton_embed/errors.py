@@ -52,6 +52,10 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
     if not (message or "").strip():  # asyncio's TimeoutError says nothing
         message = "timed out: no answer within timeout_s" if isinstance(exc, TimeoutError) else type(exc).__name__
     cls = _BY_STATUS.get(status)
+    if "has no available versions" in message:
+        # the ensemble is being unloaded: the server drains before it stops (server/.../drain.py); a retry may
+        # reach another replica, or this one restarted
+        cls = ServerUnavailableError
     if "is not healthy" in message:
         # A crashed Python backend stub (Triton reports INTERNAL): the server's watchdog reloads the model within
         # seconds, so for the caller it is a temporary outage that a retry gets past.

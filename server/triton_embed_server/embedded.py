@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import secrets
 import shutil
 import signal
@@ -21,12 +22,14 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from triton_embed_server.drain import drain
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
 from triton_embed_server.shm import backend_regions, remove_orphans
 from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 READY_MODEL = "embed"
+log = logging.getLogger("triton_embed_server")
 ADMIN_KEY_ENV = "TRITON_EMBED_ADMIN_KEY"
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 """Triton API groups that need the admin header; the rest (inference, health, metadata, statistics) stay open."""
@@ -272,14 +275,20 @@ class EmbeddedServer:
         raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def stop(self) -> int | None:
-        """Stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code.
+        """Drain, stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code.
 
-        Then removes the Python backend regions in ``/dev/shm`` that appeared while it ran and that no live process
+        A ready server is drained first (``drain.py``): the ``embed`` ensemble is unloaded, which refuses new
+        requests and lets those in flight finish through both steps, for up to ``exit_timeout_s`` seconds. Then
+        removes the Python backend regions in ``/dev/shm`` that appeared while it ran and that no live process
         maps (left by killed stubs: ``shm.py``).
         """
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+        if self.is_alive() and self.is_ready():
+            took = drain(self.http_url, READY_MODEL, self.admin_headers("http"), self.config.exit_timeout_s)
+            if took is None:
+                log.warning("'%s' did not drain within %d s; stopping anyway", READY_MODEL, self.config.exit_timeout_s)
         process, self._process = self._process, None
         code = None
         if process is not None:

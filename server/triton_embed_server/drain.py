@@ -1,0 +1,55 @@
+"""Graceful drain before shutdown: unload the ``embed`` ensemble, let its requests in flight finish, then stop.
+
+Triton 2.51's shutdown (SIGINT/SIGTERM) stops every model's scheduler at once, the ensemble's second step
+included, so a request whose encoder step was not yet scheduled was refused with ``Server is stopping`` (2 of 6
+requests of 64 texts, sent ~1 s before the signal, in a new user's trial). Unloading the ensemble first, through
+the repository API, refuses new requests (Triton answers ``... has no available versions``, which the client
+treats as unavailable) and keeps the tokenizer and encoder loaded until every request already in the ensemble
+has its answer; the readiness endpoint turns false at once, so a load balancer stops sending.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+IN_FLIGHT_STATES = ("READY", "UNLOADING")
+
+
+def model_state(http_url: str, model: str, headers: dict[str, str]) -> str | None:
+    """``model``'s state in the repository index (``READY``, ``UNLOADING``, ``UNAVAILABLE``), None if unknown."""
+    request = urllib.request.Request(  # noqa: S310 - our own loopback server
+        f"http://{http_url}/v2/repository/index", data=b"{}", method="POST", headers=headers
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
+            index = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    states = [entry.get("state") for entry in index if entry.get("name") == model]
+    return states[0] if states else None
+
+
+def drain(http_url: str, model: str, headers: dict[str, str], timeout_s: float) -> float | None:
+    """Unload ``model`` (the ensemble) and wait until it has no request in flight; return the seconds it took.
+
+    Returns None when the drain did not happen or did not finish within ``timeout_s`` seconds (the admin API
+    refused, the server did not answer, or requests were still running): the caller stops the server anyway,
+    and Triton's own exit timeout takes over.
+    """
+    start = time.monotonic()
+    request = urllib.request.Request(  # noqa: S310 - our own loopback server
+        f"http://{http_url}/v2/repository/models/{model}/unload", data=b"{}", method="POST", headers=headers
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            response.read()
+    except (urllib.error.URLError, OSError):
+        return None
+    while time.monotonic() - start < timeout_s:
+        if model_state(http_url, model, headers) not in IN_FLIGHT_STATES:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
