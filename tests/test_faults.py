@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,9 @@ from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
 from triton_embed_server.supervisor import stub_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends" / "common"))
+from loadboard import board_dir  # noqa: E402
 
 from bench.burst import ONSET_S, SHED, SLA_MS, burst, summarize
 
@@ -93,16 +97,18 @@ def test_killed_stub_is_replaced_without_a_server_restart(fault_server, referenc
     assert any(name == model for name, _ in fault_server.watchdog.reloads)
 
 
-def test_an_operator_reload_is_not_taken_for_a_crash(fault_server, reference):
-    """The old stub of a reload exits after the new one is up; the watchdog must not reload again (it did, in a
-    loop: each reload's retired stub looked like a crash)."""
+@pytest.mark.parametrize("model", ["tokenizer", "encoder"])
+def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(fault_server, reference, model):
+    """After a reload through the admin API: the watchdog does not reload again (it did, in a loop: the retired stub
+    looked like a crash); the custom metrics are still there (the old instance's finalize deleted the new one's,
+    and tritonserver then crashed under load); the encoder's load board file is still there (it was removed)."""
     reloads = list(fault_server.watchdog.reloads)
     base = f"http://{fault_server.http_url}/v2"
-    with urllib.request.urlopen(f"{base}/models/tokenizer/config", timeout=10) as response:  # noqa: S310
+    with urllib.request.urlopen(f"{base}/models/{model}/config", timeout=10) as response:  # noqa: S310
         config = json.loads(response.read())
     config.setdefault("parameters", {})["OPERATOR_RELOAD"] = {"string_value": str(time.time_ns())}  # a real load
     request = urllib.request.Request(  # noqa: S310 - our loopback server
-        f"{base}/repository/models/tokenizer/load",
+        f"{base}/repository/models/{model}/load",
         data=json.dumps({"parameters": {"config": json.dumps(config)}}).encode(),
         headers={fault_server.config.admin_header: fault_server.config.admin_key},
         method="POST",
@@ -111,9 +117,14 @@ def test_an_operator_reload_is_not_taken_for_a_crash(fault_server, reference):
         assert response.status == 200
     time.sleep(6)  # the retired stub exits; the watchdog looks every second
     assert fault_server.watchdog.reloads == reloads
-    with EmbeddingClient(url=fault_server.grpc_url, retries=0) as client:
-        text = "served after an operator's reload"
-        np.testing.assert_allclose(client.embed([text]), reference_embed(reference, [text]), atol=1e-5)
+    with EmbeddingClient(url=fault_server.grpc_url, retries=5) as client:
+        texts = [f"served after an operator's reload of the {model} {i}" for i in range(40)]
+        np.testing.assert_allclose(client.embed(texts), reference_embed(reference, texts), atol=1e-5)
+    rows = scrape(fault_server.metrics_url)
+    for name in ("triton_embed_shed_requests_total", "triton_embed_padded_tokens_total"):
+        assert any(k.startswith(f"{name}{{") for k in rows), sorted(rows)
+    assert 'triton_embed_shed_requests_total{model="tokenizer"}' in rows
+    assert list(board_dir().glob(f"triton-embed-*-{fault_server.pid}-encoder-*.load")), "the encoder's load board"
 
 
 def test_a_killed_stub_leaves_no_shared_memory_once_the_server_stops(tmp_path):

@@ -126,9 +126,15 @@ class LoadBoard:
         struct.pack_into("<Q", self._map, 0, self._seq)
 
     def close(self, remove: bool = True) -> None:
-        """Unmap, and remove the file unless ``remove`` is False."""
+        """Unmap, and remove the file unless ``remove`` is False or another process writes it now.
+
+        A reload starts the new instance (same name, same file) before the old one finalizes: the old one must not
+        remove the file its successor took over, or admission control loses that encoder's load (a new user's
+        trial found it gone).
+        """
         self._map.close()
-        if remove:
+        current = read_load(self.path)
+        if remove and (current is None or current.pid == os.getpid()):
             self.path.unlink(missing_ok=True)
 
 

@@ -50,6 +50,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from admission import Backlog, cost_of
 from loadboard import LoadReader
+from metric_lifetime import keep
 from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters
 from target import share_of
 from tokenizers import Tokenizer
@@ -149,7 +150,8 @@ class TritonPythonModel:
         self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
 
     def finalize(self) -> None:
-        """Release the metric before its family (the order Triton's Python backend requires)."""
+        """Leave the metric and its family to Triton (``common/metric_lifetime.py``), so a reload keeps its own."""
+        keep(self._shed_metric, self._shed_family)
         self._shed_metric = None
         self._shed_family = None
 

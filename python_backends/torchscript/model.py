@@ -48,6 +48,7 @@ import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from cost import CostModel
 from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
+from metric_lifetime import keep
 from runners import BucketedRunner
 from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, choose_shed, overloaded
 from target import AdmissionTarget, idle
@@ -207,7 +208,7 @@ class TritonPythonModel:
         return CostModel(ms_per_token=max(0.0, took_ms(32, 32) - fixed) / (32 * 32), fixed_ms=fixed)
 
     def finalize(self) -> None:
-        """Release the metric objects before their families (the order Triton's Python backend requires)."""
+        """Leave the metrics to Triton (``common/metric_lifetime.py``); remove this instance's load board file."""
         self._metrics.close()
         if self.board is not None:
             self.board.close()
@@ -369,7 +370,12 @@ class _BucketMetrics:
         self._shed_metric.increment(requests)
 
     def close(self) -> None:
-        """Drop metrics, then families."""
+        """Keep every metric and family alive for good, then drop this instance's references.
+
+        Releasing them deleted the reloaded instance's metrics (``common/metric_lifetime.py``).
+        """
+        keep(*self._by_bucket.values(), self._real_metric, self._padded_metric, self._shed_metric, self._share_metric)
+        keep(self._executions, self._real, self._padded, self._shed, self._share)
         self._by_bucket.clear()
         self._real_metric = self._padded_metric = self._shed_metric = self._share_metric = None
         self._executions = self._real = self._padded = self._shed = self._share = None

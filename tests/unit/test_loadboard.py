@@ -32,8 +32,9 @@ SAMPLE = EncoderLoad(
 def test_what_is_published_is_read_back_and_close_removes_the_file(tmp_path):
     board = LoadBoard(tmp_path / "encoder.load")
     assert read_load(board.path) is None  # created, never written
-    board.publish(SAMPLE)
-    assert read_load(board.path) == SAMPLE
+    mine = EncoderLoad(**{**SAMPLE.__dict__, "pid": os.getpid()})
+    board.publish(mine)
+    assert read_load(board.path) == mine
     board.close()
     assert not board.path.exists()
     assert read_load(board.path) is None
@@ -58,6 +59,19 @@ def test_a_successor_takes_over_the_file_of_a_killed_stub(tmp_path):
     successor.publish(newer)
     assert read_load(path) == newer
     successor.close()
+
+
+def test_a_reloaded_instance_keeps_its_file_when_the_old_one_closes(tmp_path):
+    """A reload starts the new instance (same file) before the old one finalizes: the old close must not remove it."""
+    path = tmp_path / "encoder.load"
+    old = LoadBoard(path)
+    old.publish(EncoderLoad(**{**SAMPLE.__dict__, "pid": os.getpid()}))
+    successor = LoadBoard(path)
+    newer = EncoderLoad(**{**SAMPLE.__dict__, "pid": os.getpid() + 1})  # another stub process
+    successor.publish(newer)
+    old.close()
+    assert read_load(path) == newer
+    successor.close(remove=False)
 
 
 def test_the_reader_finds_every_instance_of_its_model_and_server_only():
