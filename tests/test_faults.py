@@ -149,15 +149,19 @@ def test_retrying_client_does_not_see_a_stub_crash(fault_server, reference):
     np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
 
 
-@pytest.mark.parametrize(("per_request", "threads", "signal_after_s"), [(1, 16, 2.0), (64, 10, 0.3)])
-def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev, per_request, threads, signal_after_s):
+@pytest.mark.parametrize(
+    ("per_request", "threads", "signal_after_s", "ctrl_c"),
+    [(1, 16, 2.0, False), (64, 10, 0.3, False), (64, 10, 0.3, True)],
+)
+def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev, per_request, threads, signal_after_s, ctrl_c):
     """Ten requests of 64 long texts at once, SIGTERM 0.3 s later: most still wait for the tokenizer, so their
     encoder step would start after the signal, which Triton alone refused ("Server is stopping": 10 of 15 in a
     trial) until the server drained the ensemble first (drain.py)."""
     ports = [str(free_port()) for _ in range(3)]
     cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
            "--metrics-port", ports[2]]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its own process group, as a terminal runs it: ctrl_c sends SIGINT to the whole group, as Ctrl-C does
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and "Ctrl-C stops it" not in (proc.stdout.readline() or "Ctrl-C stops it"):
@@ -189,7 +193,10 @@ def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev, per_request, threa
             t.start()
         time.sleep(signal_after_s)
         stopping.set()
-        proc.send_signal(signal.SIGTERM)
+        if ctrl_c:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
         for t in workers:
             t.join(timeout=60)
         assert proc.wait(timeout=60) == 0

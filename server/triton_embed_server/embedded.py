@@ -222,6 +222,9 @@ class EmbeddedServer:
             stderr=subprocess.STDOUT if stdout else None,
             stdin=subprocess.DEVNULL,
             preexec_fn=preexec,  # noqa: PLW1509 - None when setpriv is there; else only an async-signal-safe call
+            # its own process group: a terminal's Ctrl-C reaches only us, so stop() drains before tritonserver
+            # hears of it (the parent-death signal still ends it with us)
+            start_new_session=True,
         )
         return self
 
