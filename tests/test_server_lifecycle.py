@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import free_port
+from triton_embed_server.shm import backend_regions
 from triton_embed_server.supervisor import stub_processes
 
 
@@ -106,6 +107,13 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
     proc, server_pid, ports, _ = serve_process
     stubs = stub_processes(server_pid)
     assert set(stubs.values()) == {"tokenizer", "encoder"}, stubs
+    killed_regions = {
+        line.rsplit("/", 1)[1]
+        for pid in stubs
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+        if "/dev/shm/triton_" in line and "_backend_shm_region_" in line
+    }
+    assert killed_regions
     os.kill(server_pid, signal.SIGKILL)  # as the kernel's OOM killer would
     lines, deadline = [], time.monotonic() + 240
     while time.monotonic() < deadline and not any("tritonserver restarted" in line for line in lines):
@@ -120,6 +128,8 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
         assert client.embed(["served by the restarted server"]).shape == (1, 384)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+    # the killed server's stub regions too: the restart must not count them as older than the server
+    assert not killed_regions & backend_regions(), killed_regions & backend_regions()
 
 
 @pytest.mark.parametrize("serve_process", [("--max-restarts", "0")], indirect=True)

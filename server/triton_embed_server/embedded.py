@@ -130,7 +130,7 @@ class EmbeddedServer:
         self.config = replace(config or ServerConfig(), **overrides)
         self._process: subprocess.Popen | None = None
         self._log_handle = None
-        self._regions_before: set[str] = set()
+        self._regions_before: set[str] | None = None  # /dev/shm regions before the first start (kept by restarts)
         self.watchdog: StubWatchdog | None = None
 
     # -- addresses --------------------------------------------------------------------------------------------
@@ -214,7 +214,8 @@ class EmbeddedServer:
             self._log_handle = open(self.config.log_file, "ab")  # noqa: SIM115 - closed in stop()
             stdout = self._log_handle
         argv, preexec = _spawn_args(self.command())
-        self._regions_before = backend_regions()
+        if self._regions_before is None:  # a restart keeps it: the crashed run's regions may still be mapped then
+            self._regions_before = backend_regions()
         self._process = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
             argv,
             env=server_environment(find_layout()),
@@ -304,7 +305,7 @@ class EmbeddedServer:
                     process.wait()
             code = process.returncode
             # regions of stubs killed while it ran (Triton leaves them; see shm.py), now that nothing maps them
-            remove_orphans(backend_regions() - self._regions_before)
+            remove_orphans(backend_regions() - (self._regions_before or set()))
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
