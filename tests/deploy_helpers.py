@@ -220,10 +220,12 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
 
 def _watchdog_of(server_pid: int) -> int | None:
     """PID of the stub watchdog among ``server_pid``'s children (the entrypoint forked it before its exec)."""
-    for proc in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == server_pid and b"supervisor.py" in (proc / "cmdline").read_bytes():
+    from triton_embed_server.supervisor import proc_state
+
+    for proc in Path("/proc").glob("[0-9]*"):
+        stat = proc_state(int(proc.name))
+        with contextlib.suppress(OSError):
+            if stat is not None and stat[1] == server_pid and b"supervisor.py" in (proc / "cmdline").read_bytes():
                 return int(proc.name)
     return None
 

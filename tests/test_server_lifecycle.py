@@ -14,15 +14,11 @@ import pytest
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import free_port
 from triton_embed_server.shm import backend_regions
-from triton_embed_server.supervisor import stub_processes
+from triton_embed_server.supervisor import process_alive, stub_processes
 
 
 def process_gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
+    return not process_alive(pid)  # a zombie has exited; only its parent's wait is missing
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:

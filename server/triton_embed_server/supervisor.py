@@ -33,13 +33,22 @@ STUB_NAME = "triton_python_backend_stub"
 ADMIN_HEADER = "triton-embed-admin-key"  # the admin APIs' header, here and in docker/triton-entrypoint.sh
 
 
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of ``pid`` from ``/proc/<pid>/stat``, or None when there is no such process.
+
+    States as ``ps`` shows them: ``R``, ``S``, ``Z`` (zombie: exited, not yet reaped by its parent), ...
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ")" and spaces
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    state = proc_state(pid)
+    return state is not None and state[0] not in ("Z", "X")
 
 
 def server_answers(http_url: str, endpoint: str) -> bool:
@@ -61,14 +70,14 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
+        stat = proc_state(int(proc.name))
+        if stat is None or stat[1] != server_pid or stat[0] in ("Z", "X"):
+            continue
         try:
-            stat = (proc / "stat").read_text()
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if ppid != server_pid or state in ("Z", "X") or len(argv) < 2 or not argv[0].endswith(STUB_NAME.encode()):
+        if len(argv) < 2 or not argv[0].endswith(STUB_NAME.encode()):
             continue
         model_file = Path(argv[1].decode(errors="replace"))  # <repository>/<model>/<version>/model.py
         stubs[int(proc.name)] = model_file.parts[-3] if len(model_file.parts) >= 3 else "?"
@@ -89,11 +98,7 @@ def crashed_stubs(server_pid: int, known: dict[int, str], confirm_s: float = 0.2
 
 
 def _zombie_child(pid: int, parent: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[0] == "Z" and int(fields[1]) == parent
+    return proc_state(pid) == ("Z", parent)
 
 
 class StubWatchdog:
