@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import urllib.error
 import urllib.request
 
@@ -113,3 +114,22 @@ def scrape(url: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+def embed_until_answered(grpc_url: str, text: str, within_s: float = 30.0, note=lambda: "") -> tuple[np.ndarray, list]:
+    """Embed ``text`` over and over (no client retries, 0.5 s apart) until an answer comes, e.g. while a crashed stub
+    is reloaded; returns ``(embedding (1, dim) float32, the errors seen before it)``. Fails the test after
+    ``within_s`` seconds, with the last error and ``note()`` (e.g. the server's log tail then)."""
+    import pytest
+    from triton_embed import EmbeddingClient
+
+    failures = []
+    started = time.monotonic()
+    with EmbeddingClient(url=grpc_url, retries=0, timeout_s=10) as client:
+        while time.monotonic() - started < within_s:
+            try:
+                return client.embed([text]), failures
+            except Exception as exc:  # noqa: BLE001 - returned to the caller, which checks them
+                failures.append(exc)
+                time.sleep(0.5)
+    pytest.fail(f"no answer within {within_s:.0f} s; last error {failures[-1]!r}\n{note()}")

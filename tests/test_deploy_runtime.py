@@ -39,7 +39,7 @@ from deploy_helpers import (
     resolved,
     tool,
 )
-from helpers import post_status
+from helpers import embed_until_answered, post_status
 from triton_embed import EmbeddingClient
 from triton_embed_server.supervisor import stub_processes
 
@@ -52,7 +52,6 @@ def compose_server(tmp_path_factory):
 
 def test_compose_command_serves_embeddings_with_the_admin_apis_locked(compose_server):
     import numpy as np
-    from triton_embed import EmbeddingClient
 
     with EmbeddingClient(url=compose_server.grpc_url, protocol="grpc") as client:
         vectors = client.embed(["A man is playing a guitar.", "Someone plays music."])
@@ -226,7 +225,6 @@ def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
     """Names: a real scrape of the compose-command server plus the monitor's exporter. Data: Prometheus answers."""
     import secrets
 
-    from triton_embed import EmbeddingClient
     from triton_embed.monitor.exporter import metric_names
 
     with EmbeddingClient(url=compose_server.grpc_url, protocol="grpc") as client:
@@ -266,17 +264,7 @@ def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(compose_server, 
     os.kill(stubs[0], signal.SIGKILL)
 
     text = f"served by the compose server after its {model} stub died"
-    started, failures = time.monotonic(), []
-    with EmbeddingClient(url=compose_server.grpc_url, retries=0, timeout_s=10) as client:
-        while time.monotonic() - started < 30:
-            try:
-                served = client.embed([text])
-                break
-            except Exception as exc:  # noqa: BLE001 - collected and checked below
-                failures.append(exc)
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"no answer within 30 s; last error {failures[-1]!r}\n{compose_server.log_tail()}")
+    served, _ = embed_until_answered(compose_server.grpc_url, text, within_s=30, note=compose_server.log_tail)
     np.testing.assert_allclose(served, reference_embed(reference, [text]), atol=1e-5)
     assert compose_server.process.poll() is None and compose_server.process.pid == server_pid
     assert compose_server.log.read_text().count(f"model '{model}' reloaded") == reloads_before + 1

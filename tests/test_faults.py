@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import reference_embed
-from helpers import scrape
+from helpers import embed_until_answered, scrape
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
@@ -78,18 +78,8 @@ def test_killed_stub_is_replaced_without_a_server_restart(fault_server, referenc
     assert stubs, stub_processes(server_pid)
     os.kill(stubs[0], signal.SIGKILL)
 
-    failures = []
     started = time.monotonic()
-    with EmbeddingClient(url=fault_server.grpc_url, retries=0, timeout_s=10) as client:
-        while time.monotonic() - started < 30:
-            try:
-                served = client.embed([f"after the {model} stub died"])
-                break
-            except Exception as exc:  # noqa: BLE001 - collected and checked below
-                failures.append(exc)
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"no answer within 30 s; last error {failures[-1]!r}")
+    served, failures = embed_until_answered(fault_server.grpc_url, f"after the {model} stub died", within_s=30)
     assert time.monotonic() - started < 30
     assert all("not healthy" in str(e) or "not ready" in str(e) or "UNAVAILABLE" in repr(e) for e in failures)
     np.testing.assert_allclose(served, reference_embed(reference, [f"after the {model} stub died"]), atol=1e-5)
