@@ -225,7 +225,7 @@ def _watchdog_of(server_pid: int) -> int | None:
     for proc in Path("/proc").glob("[0-9]*"):
         stat = proc_state(int(proc.name))
         with contextlib.suppress(OSError):
-            if stat is not None and stat[1] == server_pid and b"supervisor.py" in (proc / "cmdline").read_bytes():
+            if stat is not None and stat.ppid == server_pid and b"supervisor.py" in (proc / "cmdline").read_bytes():
                 return int(proc.name)
     return None
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from triton_embed import EmbeddingClient
-from triton_embed_server.embedded import free_port
+from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
-from triton_embed_server.supervisor import process_alive, stub_processes
+from triton_embed_server.supervisor import proc_state, process_alive, stub_processes
 
 
 def process_gone(pid: int) -> bool:
@@ -135,3 +135,24 @@ def test_serve_gives_up_after_its_restart_limit(serve_process):
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 1
     assert "error: tritonserver exited with status -9; 0 restarts in 10 min, giving up" in output, output[-2000:]
+
+
+def test_a_server_stop_had_to_kill_leaves_no_stuck_stub_behind(tmp_path):
+    # A hung tritonserver (SIGINT does nothing) and stubs that cannot run: stop() SIGKILLs the server after
+    # exit_timeout_s + 10 s. A 2.51 stub exits by itself once its server is gone only if it can run; a stuck one
+    # lived on under PID 1 after a CI run, so stop() kills the server's whole process group.
+    server = EmbeddedServer(
+        http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=1, watch_stubs=False, log_file=tmp_path / "t.log"
+    )
+    server.start().wait_ready()
+    stubs = stub_processes(server.pid)
+    assert set(stubs.values()) == {"tokenizer", "encoder"}, stubs
+    try:
+        for pid in (server.pid, *stubs):
+            os.kill(pid, signal.SIGSTOP)
+        assert server.stop() == -signal.SIGKILL
+        assert all(wait_gone(pid, timeout_s=10) for pid in stubs), {p: proc_state(p) for p in stubs}
+    finally:
+        for pid in stubs:
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 from triton_embed_server.drain import drain
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
 from triton_embed_server.shm import backend_regions, remove_orphans
-from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog
+from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, group_members
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 READY_MODEL = "embed"
@@ -109,6 +110,26 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def kill_leftovers(pgid: int, timeout_s: float = 5.0) -> list[int]:
+    """SIGKILL what is left of an exited tritonserver's process group; returns the PIDs that were left.
+
+    tritonserver runs in its own session, so its process group (``pgid``, its PID) holds it and its Python backend
+    stubs. A stub exits by itself once its server is gone, but not while it is stuck (in a long execution, or
+    stopped): one left by a tritonserver that had to be SIGKILLed kept running under PID 1 after a CI run (its
+    memory and 1 MiB region in /dev/shm with it). Waits up to ``timeout_s`` seconds for them to go.
+    """
+    left = group_members(pgid)
+    if not left:
+        return []
+    log.warning("killing %d process(es) tritonserver left behind: %s", len(left), left)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def _spawn_args(command: list[str]) -> tuple[list[str], object]:
@@ -284,7 +305,7 @@ class EmbeddedServer:
         A ready server is drained first (``drain.py``): the ``embed`` ensemble is unloaded, which refuses new
         requests and lets those in flight finish through both steps, for up to ``exit_timeout_s`` seconds. Then
         removes the Python backend regions in ``/dev/shm`` that appeared while it ran and that no live process
-        maps (left by killed stubs: ``shm.py``).
+        maps (left by killed stubs: ``shm.py``), after killing any stub that outlived it (:func:`kill_leftovers`).
         """
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -304,6 +325,7 @@ class EmbeddedServer:
                     process.kill()
                     process.wait()
             code = process.returncode
+            kill_leftovers(process.pid)
             # regions of stubs killed while it ran (Triton leaves them; see shm.py), now that nothing maps them
             remove_orphans(backend_regions() - (self._regions_before or set()))
         if self._log_handle is not None:

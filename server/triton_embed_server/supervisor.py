@@ -27,28 +27,49 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger("triton_embed_server")
 STUB_NAME = "triton_python_backend_stub"
 ADMIN_HEADER = "triton-embed-admin-key"  # the admin APIs' header, here and in docker/triton-entrypoint.sh
 
 
-def proc_state(pid: int) -> tuple[str, int] | None:
-    """``(state, parent pid)`` of ``pid`` from ``/proc/<pid>/stat``, or None when there is no such process.
+class ProcState(NamedTuple):
+    """One process as ``/proc/<pid>/stat`` gives it.
 
-    States as ``ps`` shows them: ``R``, ``S``, ``Z`` (zombie: exited, not yet reaped by its parent), ...
+    Attributes:
+        state: as ``ps`` shows it: ``R``, ``S``, ``T`` (stopped), ``Z`` (zombie: exited, not yet reaped), ...
+        ppid, pgrp: parent process ID, process group ID.
     """
+
+    state: str
+    ppid: int
+    pgrp: int
+
+
+def proc_state(pid: int) -> ProcState | None:
+    """``pid``'s :class:`ProcState`, or None when there is no such process."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ")" and spaces
     except (OSError, IndexError):
         return None
-    return fields[0], int(fields[1])
+    return ProcState(fields[0], int(fields[1]), int(fields[2]))
 
 
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    state = proc_state(pid)
-    return state is not None and state[0] not in ("Z", "X")
+    stat = proc_state(pid)
+    return stat is not None and stat.state not in ("Z", "X")
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the live processes (not zombies) in process group ``pgid``, from /proc."""
+    members = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        stat = proc_state(int(proc.name))
+        if stat is not None and stat.pgrp == pgid and stat.state not in ("Z", "X"):
+            members.append(int(proc.name))
+    return members
 
 
 def server_answers(http_url: str, endpoint: str) -> bool:
@@ -71,7 +92,7 @@ def stub_processes(server_pid: int) -> dict[int, str]:
         if not proc.name.isdigit():
             continue
         stat = proc_state(int(proc.name))
-        if stat is None or stat[1] != server_pid or stat[0] in ("Z", "X"):
+        if stat is None or stat.ppid != server_pid or stat.state in ("Z", "X"):
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
@@ -98,7 +119,8 @@ def crashed_stubs(server_pid: int, known: dict[int, str], confirm_s: float = 0.2
 
 
 def _zombie_child(pid: int, parent: int) -> bool:
-    return proc_state(pid) == ("Z", parent)
+    stat = proc_state(pid)
+    return stat is not None and (stat.state, stat.ppid) == ("Z", parent)
 
 
 class StubWatchdog:
