@@ -78,6 +78,26 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(serve_process):
     assert process_gone(server_pid)
 
 
+def test_sigterm_during_startup_stops_at_once_without_claiming_ready():
+    ports = [str(free_port()) for _ in range(3)]
+    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0],
+           "--grpc-port", ports[1], "--metrics-port", ports[2]]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        server_pid = int(re.search(r"starting tritonserver \(pid (\d+)\)", first).group(1))
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # loading the models takes ~10-20 s here
+        rest = proc.communicate(timeout=60)[0]
+        took_s = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, first + rest
+    assert "stop requested before it was ready" in rest and "is ready" not in rest, rest[-2000:]
+    assert process_gone(server_pid)
+    assert took_s < 20, f"took {took_s:.1f} s to stop"
+
+
 def test_a_second_serve_on_a_port_in_use_fails_at_once_and_leaves_the_first_serving(serve_process):
     proc, server_pid, ports, _ = serve_process
     cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0],

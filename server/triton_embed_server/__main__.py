@@ -17,6 +17,7 @@ from triton_embed_server.embedded import (
     EmbeddedServer,
     ServerConfig,
     ServerError,
+    StartupCancelled,
 )
 from triton_embed_server.layout import LayoutError
 
@@ -66,7 +67,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.start()
         print(f"starting tritonserver (pid {server.pid}) on {args.host} ...", flush=True)
-        server.wait_ready(args.ready_timeout)
+        server.wait_ready(args.ready_timeout, cancel=stop)
+    except StartupCancelled:
+        return _stop(server, "stopping tritonserver (stop requested before it was ready) ...")
     except (ServerError, LayoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
@@ -100,13 +103,20 @@ def serve(args: argparse.Namespace) -> int:
                 f"warning: tritonserver exited unexpectedly with status {code}; restarting", file=sys.stderr, flush=True
             )
             try:
-                server.start().wait_ready(args.ready_timeout)
+                server.start().wait_ready(args.ready_timeout, cancel=stop)
+            except StartupCancelled:
+                break
             except (ServerError, LayoutError) as exc:
                 print(f"error: restart failed: {exc}", file=sys.stderr)
                 server.stop()
                 return 1
             print(f"tritonserver restarted (pid {server.pid})", flush=True)
-    print("stopping tritonserver ...", flush=True)
+    return _stop(server, "stopping tritonserver ...")
+
+
+def _stop(server: EmbeddedServer, message: str) -> int:
+    """Print ``message``, drain and stop ``server``; the exit status: 0 for a clean stop, else tritonserver's."""
+    print(message, flush=True)
     code = server.stop()
     return 0 if code in (0, None, -signal.SIGINT) else code
 

@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +40,10 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 class ServerError(RuntimeError):
     """tritonserver failed to start, exited, or did not become ready in time; the message ends with its log tail."""
+
+
+class StartupCancelled(ServerError):
+    """:meth:`EmbeddedServer.wait_ready` gave up because its ``cancel`` event was set (a signal during startup)."""
 
 
 @dataclass(frozen=True)
@@ -276,14 +281,18 @@ class EmbeddedServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def wait_ready(self, timeout_s: float = 180.0) -> EmbeddedServer:
-        """Block until the ``embed`` ensemble is READY.
+    def wait_ready(self, timeout_s: float = 180.0, cancel: threading.Event | None = None) -> EmbeddedServer:
+        """Block until the ``embed`` ensemble is READY, or ``cancel`` is set.
 
         Raises:
+            StartupCancelled: ``cancel`` was set first (``serve`` sets it on SIGTERM/SIGINT: loading the model
+                takes ~10-20 s on 2 CPU cores, and a stop asked for meanwhile must not wait for it).
             ServerError: the process exited, or ``timeout_s`` seconds passed; the message has the log tail.
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise StartupCancelled("stop requested before the server was ready")
             if not self.is_alive():
                 code = self._process.returncode if self._process else None
                 raise ServerError(f"tritonserver exited with code {code} before it was ready{self._log_tail()}")
@@ -296,7 +305,10 @@ class EmbeddedServer:
                         admin_key=self.config.admin_key,
                     ).start()
                 return self
-            time.sleep(0.25)
+            if cancel is not None:
+                cancel.wait(0.25)
+            else:
+                time.sleep(0.25)
         raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def stop(self) -> int | None:
