@@ -14,7 +14,8 @@ The dynamic batcher gives the encoder everything queued when it frees up (up to 
 newcomer also delays every request already in the open batch: it is refused as well when its batch would end past
 the deadline of any of them. Requests that are big by themselves (``BIG_REQUEST_FACTOR`` x their own execution >=
 the share of the budget planned with: bulk chunks) are never refused here; the encoder judges them on their real
-wait. So refusals happen where queueing, not size, would break the SLA.
+wait. Nor is the first request an idle encoder would run with nothing admitted before it: refusing it spares no
+one a wait. So refusals happen where queueing, not size, would break the SLA.
 
 The backlog: every admitted request is remembered with its ``arrival_ns`` stamp and forgotten once the encoder
 publishes a ``newest_started_ns`` at or past it (Triton's dynamic batcher is FIFO), or after twice its deadline (a
@@ -130,6 +131,11 @@ class Plan:
         """
         own = self.cost.own_ms(rows, width)
         if budget_ms <= 0 or BIG_REQUEST_FACTOR * own >= share * budget_ms:
+            return None
+        if self.ahead_ms <= 0 and not self.rows:
+            # An idle encoder and nothing admitted before: no wait to spare anyone, and running is the only way a
+            # wrong cost model learns. (A model calibrated on contended cores, two servers loading at once,
+            # predicted ~820 ms for one short text and refused every request of the idle server, for good.)
             return None
         ahead, joined, deadlines = self.ahead_ms, (self.rows, self.width), self.deadlines_ns
         if self.rows + rows > self.max_rows:

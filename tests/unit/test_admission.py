@@ -29,6 +29,17 @@ def test_an_idle_encoder_admits_a_small_request():
     assert plan.judge(1, 20, budget_ms=180) is None
 
 
+def test_an_idle_encoder_admits_its_first_request_even_when_the_cost_model_says_it_is_too_slow():
+    # a cost model taught on contended cores (two servers loading at once): 800 ms for any execution
+    slow = CostModel(ms_per_token=0.1, fixed_ms=800.0, margin=1.0)
+    backlog = Backlog()
+    plan = backlog.plan([load()], slow, NOW)
+    assert plan.judge(1, 20, budget_ms=180, share=0.25) is None
+    backlog.admit(plan, NOW, rows=1, width=20, budget_ms=180)
+    assert plan.judge(1, 20, budget_ms=180, share=0.25) is not None  # a second one would wait behind it
+    assert backlog.plan([load(busy_ms=5)], slow, NOW).judge(1, 20, 180) is not None  # so would one behind a run
+
+
 def test_a_request_is_refused_when_the_running_execution_leaves_no_time_for_it():
     assert Backlog().plan([load(busy_ms=170)], COST, NOW).judge(1, 20, 180) is None  # 170 + 2 <= 180
     refusal = Backlog().plan([load(busy_ms=179)], COST, NOW).judge(1, 20, 180)  # 179 + 2 > 180
