@@ -7,12 +7,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from triton_embed import EmbeddingClient
-from triton_embed_server.embedded import EmbeddedServer, free_port
+from triton_embed_server.embedded import EmbeddedServer, ServerError, free_port
 from triton_embed_server.shm import backend_regions
 from triton_embed_server.supervisor import proc_state, process_alive, stub_processes
 
@@ -176,3 +177,34 @@ def test_a_server_stop_had_to_kill_leaves_no_stuck_stub_behind(tmp_path):
         for pid in stubs:
             if not process_gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_two_servers_started_at_once_on_the_same_ports_one_serves_and_the_other_fails(tmp_path):
+    # Both pass start()'s port check; the one that loses the bind must not report ready on the winner's answer.
+    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    servers = [EmbeddedServer(**ports, watch_stubs=False, log_file=tmp_path / f"{i}.log") for i in range(2)]
+    outcome: dict[int, str] = {}
+
+    def wait(i: int) -> None:
+        try:
+            servers[i].wait_ready(timeout_s=240)
+            outcome[i] = "ready"
+        except ServerError as exc:
+            outcome[i] = str(exc).splitlines()[0]
+
+    try:
+        for server in servers:
+            server.start()
+        threads = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        ready = [i for i, o in outcome.items() if o == "ready"]
+        assert len(ready) == 1 and "exited with code" in outcome[1 - ready[0]], outcome
+        winner = servers[ready[0]]
+        with EmbeddingClient(url=winner.grpc_url) as client:
+            assert client.embed(["served by the winner"]).shape == (1, 384)
+    finally:
+        for server in servers:
+            server.stop()

@@ -117,6 +117,26 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """True if process ``pid`` holds a listening TCP socket on ``port`` (any address, IPv4 or IPv6).
+
+    From /proc: the socket inodes listening on ``port`` (``/proc/net/tcp``, ``tcp6``: state ``0A``) against the
+    inodes of ``pid``'s open files. True as well when ``pid``'s files cannot be read, so that it never holds back
+    a readiness check where /proc says nothing.
+    """
+    try:
+        held = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+    except OSError:
+        return True
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port and f"socket:[{cols[9]}]" in held:
+                    return True
+    return False
+
+
 def kill_leftovers(pgid: int, timeout_s: float = 5.0) -> list[int]:
     """SIGKILL what is left of an exited tritonserver's process group; returns the PIDs that were left.
 
@@ -296,7 +316,9 @@ class EmbeddedServer:
             if not self.is_alive():
                 code = self._process.returncode if self._process else None
                 raise ServerError(f"tritonserver exited with code {code} before it was ready{self._log_tail()}")
-            if self.is_ready():
+            # ours, not another server's answer on the same port (two started at once both pass start()'s check;
+            # the one that loses the bind would otherwise report ready before it exits)
+            if self.is_ready() and listens_on(self.pid, self.config.http_port):
                 if self.config.watch_stubs and self.watchdog is None:
                     self.watchdog = StubWatchdog(
                         server_pid=self.pid,
