@@ -7,11 +7,18 @@
 #
 # It also starts the stub watchdog (server/triton_embed_server/supervisor.py, stdlib only): Triton 2.51 does not
 # restart a Python backend stub that died, so the watchdog reloads that model through the repository API (hence
-# --model-control-mode=explicit in docker-compose.yml) with the admin key. It watches this script's PID, which
-# `exec` hands to tritonserver, reaches it on 127.0.0.1 at --http-port (default 8000), and exits after it.
+# --model-control-mode=explicit in docker-compose.yml) with the admin key. It watches tritonserver's PID, reaches
+# it on 127.0.0.1 at --http-port (default 8000), and exits after it.
+#
+# And it drains on SIGTERM/SIGINT (`docker compose stop`): Triton 2.51's own shutdown refuses a request whose
+# encoder step has not started ("Server is stopping"), so this script stays in front of tritonserver, and on the
+# signal first unloads the `embed` ensemble (server/triton_embed_server/drain.py: new requests are refused, those
+# in flight finish, for up to TRITON_EMBED_DRAIN_TIMEOUT seconds), then sends tritonserver SIGTERM (`make serve`
+# sends SIGINT; Triton treats both alike) and exits with its status.
 #
 # Environment: TRITON_EMBED_ADMIN_KEY (optional), TRITONSERVER (the binary; default: tritonserver on PATH),
-# TRITON_EMBED_WATCH_STUBS (0: no watchdog), TRITON_EMBED_WATCHDOG (its script; default: where the image puts it).
+# TRITON_EMBED_WATCH_STUBS (0: no watchdog), TRITON_EMBED_WATCHDOG and TRITON_EMBED_DRAIN (the scripts; default:
+# where the image puts them), TRITON_EMBED_DRAIN_TIMEOUT (seconds, default 30; 0: no drain).
 set -euo pipefail
 
 # NGC images set up the CUDA environment (driver checks, forward-compatibility libraries) in their own entrypoint;
@@ -33,23 +40,50 @@ if [[ ! "$admin_key" =~ ^[A-Za-z0-9._~-]+$ ]]; then
     exit 2
 fi
 
+http_port=8000
+previous=""
+for arg in "$@"; do
+    if [[ "$arg" == --http-port=* ]]; then http_port="${arg#--http-port=}"; fi
+    if [[ "$previous" == --http-port ]]; then http_port="$arg"; fi
+    previous="$arg"
+done
+
+"${TRITONSERVER:-tritonserver}" "$@" \
+    "--http-restricted-api=${restricted_apis}:${admin_header}=${admin_key}" \
+    "--grpc-restricted-protocol=${restricted_apis}:${admin_header}=${admin_key}" </dev/null &
+server_pid=$!
+
 if [[ "${TRITON_EMBED_WATCH_STUBS:-1}" != 0 ]]; then
     watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"
-    http_port=8000
-    previous=""
-    for arg in "$@"; do
-        if [[ "$arg" == --http-port=* ]]; then http_port="${arg#--http-port=}"; fi
-        if [[ "$previous" == --http-port ]]; then http_port="$arg"; fi
-        previous="$arg"
-    done
     if [[ -f "$watchdog" ]]; then
-        TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$watchdog" --server-pid "$$" --http-port "$http_port" \
+        TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$watchdog" --server-pid "$server_pid" --http-port "$http_port" \
             --admin-header "$admin_header" </dev/null &
     else
         echo "triton-embed: no stub watchdog at $watchdog: a crashed stub stays down until a restart" >&2
     fi
 fi
 
-exec "${TRITONSERVER:-tritonserver}" "$@" \
-    "--http-restricted-api=${restricted_apis}:${admin_header}=${admin_key}" \
-    "--grpc-restricted-protocol=${restricted_apis}:${admin_header}=${admin_key}"
+drain_then_stop() {
+    trap '' TERM INT  # one drain; tritonserver's own exit timeout bounds the rest
+    local drainer="${TRITON_EMBED_DRAIN:-/opt/triton-embed/drain.py}" timeout="${TRITON_EMBED_DRAIN_TIMEOUT:-30}"
+    if [[ "$timeout" != 0 && -f "$drainer" ]]; then
+        TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$drainer" --http-port "$http_port" \
+            --admin-header "$admin_header" --timeout-s "$timeout" </dev/null || true
+    elif [[ "$timeout" != 0 ]]; then
+        echo "triton-embed: no drain script at $drainer: stopping without a drain" >&2
+    fi
+    kill -TERM "$server_pid" 2>/dev/null || true  # (a background job starts with SIGINT ignored)
+}
+trap drain_then_stop TERM INT
+
+# `wait` returns early (status > 128) when a trapped signal arrives: wait again until tritonserver has exited.
+# If it exited during the drain, one more `wait` gives its status (127 when that was already given).
+status=0
+while :; do
+    wait "$server_pid" && status=0 || status=$?
+    if ! kill -0 "$server_pid" 2>/dev/null; then
+        wait "$server_pid" 2>/dev/null && status=0 || { code=$?; if [[ $code != 127 ]]; then status=$code; fi; }
+        break
+    fi
+done
+exit "$status"

@@ -107,8 +107,9 @@ class ComposeServer:
 
         self.models, self.log, self.admin_key = models, log, admin_key
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.process: subprocess.Popen | None = None
-        self.watchdog_pid: int | None = None  # the entrypoint's stub watchdog, a child of tritonserver
+        self.process: subprocess.Popen | None = None  # the entrypoint, which stays in front of tritonserver
+        self.server_pid: int | None = None  # tritonserver, the entrypoint's child
+        self.watchdog_pid: int | None = None  # the entrypoint's stub watchdog, its other child
 
     @property
     def http_url(self) -> str:
@@ -183,7 +184,8 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
         TRITONSERVER=str(layout.binary),
         TRITON_EMBED_ADMIN_KEY=server.admin_key,
         TRITON_EMBED_WATCHDOG=str(ROOT / "server" / "triton_embed_server" / "supervisor.py"),
-        TRITON_EMBED_WATCH_STUBS=resolved()["services"]["triton"]["environment"]["TRITON_EMBED_WATCH_STUBS"],
+        TRITON_EMBED_DRAIN=str(ROOT / "server" / "triton_embed_server" / "drain.py"),
+        **{k: v for k, v in resolved()["services"]["triton"]["environment"].items() if k != "TRITON_EMBED_ADMIN_KEY"},
     )
     argv, preexec = _spawn_args(["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args])
     regions_before = backend_regions()
@@ -202,30 +204,31 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
             assert server.process.poll() is None, f"tritonserver exited:\n{server.log_tail()}"
             assert time.monotonic() < deadline, f"not ready after 240 s:\n{server.log_tail()}"
             time.sleep(0.25)
-        server.watchdog_pid = _watchdog_of(server.process.pid)
+        server.server_pid = _child_of(server.process.pid, b"tritonserver")
+        server.watchdog_pid = _child_of(server.process.pid, b"supervisor.py")
         yield server
     finally:
-        server.process.send_signal(2)  # SIGINT, as the embedded server stops it
+        server.process.send_signal(2)  # SIGINT (Ctrl-C; `docker compose stop` sends SIGTERM): a drain, then a stop
         try:
-            server.process.wait(timeout=45)
+            server.process.wait(timeout=75)
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
         _wait_gone(server.watchdog_pid, timeout_s=15)
-        stopping = server.log.read_text(errors="replace").partition("Signal (2) received.")[2]
+        stopping = server.log.read_text(errors="replace").partition("Signal (15) received.")[2]
         assert "reloading the model" not in stopping, "the stub watchdog reloaded a model while tritonserver stopped"
         # a container's /dev/shm goes with it; here, remove what the stubs the tests killed left (see shm.py)
         remove_orphans(backend_regions() - regions_before)
 
 
-def _watchdog_of(server_pid: int) -> int | None:
-    """PID of the stub watchdog among ``server_pid``'s children (the entrypoint forked it before its exec)."""
+def _child_of(parent: int, name: bytes) -> int | None:
+    """PID of the child of ``parent`` whose command line holds ``name`` (the entrypoint's tritonserver, watchdog)."""
     from triton_embed_server.supervisor import proc_state
 
     for proc in Path("/proc").glob("[0-9]*"):
         stat = proc_state(int(proc.name))
         with contextlib.suppress(OSError):
-            if stat is not None and stat.ppid == server_pid and b"supervisor.py" in (proc / "cmdline").read_bytes():
+            if stat is not None and stat.ppid == parent and name in (proc / "cmdline").read_bytes():
                 return int(proc.name)
     return None
 

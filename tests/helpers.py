@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -133,3 +134,46 @@ def embed_until_answered(grpc_url: str, text: str, within_s: float = 30.0, note=
                 failures.append(exc)
                 time.sleep(0.5)
     pytest.fail(f"no answer within {within_s:.0f} s; last error {failures[-1]!r}\n{note()}")
+
+
+def load_across_a_signal(url: str, requests: list[list[str]], threads: int, signal_after_s: float, send_signal):
+    """Send ``requests`` from ``threads`` closed-loop clients; ``signal_after_s`` seconds in, stop sending and call
+    ``send_signal()``. Returns ``(numbers of the requests sent before the signal, {number: embedding or error})``.
+
+    Budget 0 and no retries: nothing is refused for load or resent, so every error is the shutdown's.
+    """
+    from triton_embed import EmbeddingClient
+
+    sent_before_signal: list[int] = []
+    answers: dict[int, object] = {}
+    stopping = threading.Event()
+
+    def worker(i: int) -> None:
+        with EmbeddingClient(url=url, retries=0, timeout_s=30, latency_budget_ms=0) as client:
+            for n in range(i, len(requests), threads):
+                if stopping.is_set():
+                    return
+                sent_before_signal.append(n)  # stopping is set before the signal: this one is sent before it
+                try:
+                    answers[n] = client.embed(requests[n])
+                except Exception as exc:  # noqa: BLE001 - the caller checks
+                    answers[n] = exc
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    time.sleep(signal_after_s)
+    stopping.set()
+    send_signal()
+    for t in workers:
+        t.join(timeout=60)
+    return sent_before_signal, answers
+
+
+def drained_requests(sts_pairs, per_request: int, count: int = 400) -> list[list[str]]:
+    """``count`` unique requests of ``per_request`` texts: one STS-B sentence each, or four (~60-80 tokens) for
+    multi-text requests, so that a drain has real work in flight."""
+    words = 1 if per_request == 1 else 4
+    sentences = [" ".join(p.a for p in sts_pairs[i : i + words]) for i in range(count)]
+    return [[f"{sentences[(n * per_request + k) % count]} drained {n}.{k}" for k in range(per_request)]
+            for n in range(count)]  # fmt: skip

@@ -96,7 +96,8 @@ def test_triton_service():
     )
     assert export["build"]["target"] == "export" and export.get("restart") == "no"
     health = triton["healthcheck"]
-    assert health["test"][0] == "CMD" and "http://127.0.0.1:8000/v2/health/ready" in " ".join(health["test"])
+    # the ensemble's readiness: /v2/health/ready is 200 again while the ensemble drains (unloaded)
+    assert health["test"][0] == "CMD" and "http://127.0.0.1:8000/v2/models/embed/ready" in " ".join(health["test"])
     assert health["start_period"] and health["retries"] >= 1
     command = triton["command"]
     assert "--model-repository=/models" in command and "--metrics-config=summary_latencies=true" in command
@@ -105,6 +106,10 @@ def test_triton_service():
     assert triton["environment"]["TRITON_EMBED_WATCH_STUBS"] == "1"
     off = resolved(TRITON_EMBED_WATCH_STUBS="0")["services"]["triton"]["environment"]
     assert off["TRITON_EMBED_WATCH_STUBS"] == "0"
+    # `docker compose stop` waits for the entrypoint's drain, then tritonserver's exit timeout, before SIGKILL
+    drain_s = int(triton["environment"]["TRITON_EMBED_DRAIN_TIMEOUT"])
+    exit_s = int(next(a for a in command if a.startswith("--exit-timeout-secs=")).split("=")[1])
+    assert drain_s == 30 and int(str(triton["stop_grace_period"]).removesuffix("s")) >= drain_s + exit_s
 
 
 @pytest.mark.parametrize(("setting", "config"), [(None, "gpu"), ("libtorch", "libtorch"), ("gpu", "gpu")])
@@ -227,12 +232,15 @@ ADDED_AFTER_310 = {"tomllib", "wsgiref.types", "typing.Self", "typing.LiteralStr
                    "asyncio.timeout", "typing.override", "itertools.batched"}  # fmt: skip
 
 
-IMAGE_PYTHON = [*sorted((ROOT / "python_backends").rglob("*.py")), ROOT / "server/triton_embed_server/supervisor.py"]
+IMAGE_PYTHON = [
+    *sorted((ROOT / "python_backends").rglob("*.py")),
+    *(ROOT / "server" / "triton_embed_server" / name for name in ("supervisor.py", "drain.py")),
+]
 
 
 @pytest.mark.parametrize("path", IMAGE_PYTHON, ids=lambda p: p.name)
 def test_backends_are_python_310(path):
-    """What runs on the image's python3 (3.10): the backends and the stub watchdog."""
+    """What runs on the image's python3 (3.10): the backends, the stub watchdog and the drain."""
     tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
     used = set()
     for node in ast.walk(tree):
@@ -263,10 +271,12 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
         assert f"!{source}" in patterns, f"COPY {source} but the .dockerignore leaves it out"
     assert "model_repository/*/1/*" in patterns  # a host-side export never reaches the image
     # the stub watchdog, where the entrypoint looks for it by default
-    watchdog = "/opt/triton-embed/supervisor.py"
+    watchdog, drainer = "/opt/triton-embed/supervisor.py", "/opt/triton-embed/drain.py"
     assert ["server/triton_embed_server/supervisor.py", watchdog] in copies
+    assert ["server/triton_embed_server/drain.py", drainer] in copies
     entrypoint = (ROOT / "docker" / "triton-entrypoint.sh").read_text()
     assert f'watchdog="${{TRITON_EMBED_WATCHDOG:-{watchdog}}}"' in entrypoint
+    assert f'drainer="${{TRITON_EMBED_DRAIN:-{drainer}}}"' in entrypoint
 
 
 def test_the_monitor_image_install_carries_the_monitor(tmp_path):

@@ -39,9 +39,9 @@ from deploy_helpers import (
     resolved,
     tool,
 )
-from helpers import embed_until_answered, post_status
+from helpers import drained_requests, embed_until_answered, load_across_a_signal, post_status
 from triton_embed import EmbeddingClient
-from triton_embed_server.supervisor import stub_processes
+from triton_embed_server.supervisor import process_alive, stub_processes
 
 
 @pytest.fixture(scope="module")
@@ -251,13 +251,32 @@ def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
         wait_for(answered, timeout_s=20, what=f"data for panel {title!r}: {expr}")
 
 
+def test_compose_stop_drains_in_flight_requests(tmp_path, sts_dev):
+    """`docker compose stop` sends the entrypoint SIGTERM. Ten requests of 64 long texts at once, SIGTERM 0.3 s later:
+    Triton alone refused those whose encoder step had not started ("Server is stopping"), so the entrypoint drains
+    the ensemble first (drain.py), then stops tritonserver and exits with its status. (A server of its own: the
+    module's has had stubs killed, after which Triton 2.51's stop waits out its exit timeout and exits 1.)"""
+    with compose_server_running(tmp_path) as server:
+        entrypoint = server.process
+        requests = drained_requests(sts_dev, per_request=64)
+        sent_before_signal, answers = load_across_a_signal(
+            server.grpc_url, requests, threads=10, signal_after_s=0.3,
+            send_signal=lambda: entrypoint.send_signal(signal.SIGTERM),
+        )  # fmt: skip
+        assert entrypoint.wait(timeout=75) == 0, server.log_tail()
+        lost = [n for n in sent_before_signal if not isinstance(answers.get(n), np.ndarray)]
+        assert sent_before_signal and not lost, f"{len(lost)} of {len(sent_before_signal)} lost: {answers[lost[0]]!r}"
+        assert "triton-embed: 'embed' drained in" in server.log.read_text(errors="replace"), server.log_tail()
+        assert not process_alive(server.server_pid)
+
+
 # Last in this module: it kills the compose server's stubs (the watchdog brings them back).
 @pytest.mark.parametrize("model", ["tokenizer", "encoder"])
 def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(compose_server, reference, model):
     """Triton 2.51 leaves a killed stub dead (requests fail, the model stays READY); the entrypoint's watchdog reloads
     it through the locked repository API, without restarting tritonserver."""
     assert compose_server.watchdog_pid, f"the entrypoint started no stub watchdog:\n{compose_server.log_tail()}"
-    server_pid = compose_server.process.pid
+    server_pid = compose_server.server_pid
     stubs = [pid for pid, name in stub_processes(server_pid).items() if name == model]
     assert stubs, stub_processes(server_pid)
     reloads_before = compose_server.log.read_text().count(f"model '{model}' reloaded")
@@ -266,6 +285,6 @@ def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(compose_server, 
     text = f"served by the compose server after its {model} stub died"
     served, _ = embed_until_answered(compose_server.grpc_url, text, within_s=30, note=compose_server.log_tail)
     np.testing.assert_allclose(served, reference_embed(reference, [text]), atol=1e-5)
-    assert compose_server.process.poll() is None and compose_server.process.pid == server_pid
+    assert compose_server.process.poll() is None and process_alive(server_pid)
     assert compose_server.log.read_text().count(f"model '{model}' reloaded") == reloads_before + 1
     assert stubs[0] not in stub_processes(server_pid) and model in stub_processes(server_pid).values()

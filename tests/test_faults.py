@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import reference_embed
-from helpers import embed_until_answered, scrape
+from helpers import drained_requests, embed_until_answered, load_across_a_signal, scrape
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
@@ -157,38 +156,15 @@ def test_sigterm_drains_in_flight_requests(tmp_path, sts_dev, per_request, threa
         while time.monotonic() < deadline and "Ctrl-C stops it" not in (proc.stdout.readline() or "Ctrl-C stops it"):
             pass
         url = f"127.0.0.1:{ports[1]}"
-        # one-text requests: one STS-B sentence; 64-text ones: four sentences per text (~60-80 tokens)
-        words = 1 if per_request == 1 else 4
-        sentences = [" ".join(p.a for p in sts_dev[i : i + words]) for i in range(400)]
-        requests = [[f"{sentences[(n * per_request + k) % 400]} drained {n}.{k}" for k in range(per_request)]
-                    for n in range(400)]  # fmt: skip
-        sent_before_signal = []
-        answers = {}
 
-        def worker(i: int) -> None:
-            # budget 0: nothing is refused for load, so every failure below is the shutdown's
-            with EmbeddingClient(url=url, retries=0, timeout_s=30, latency_budget_ms=0) as client:
-                for n in range(i, len(requests), threads):
-                    if stopping.is_set():
-                        return
-                    sent_before_signal.append(n)  # stopping is set before the signal: this one is sent before it
-                    try:
-                        answers[n] = client.embed(requests[n])
-                    except Exception as exc:  # noqa: BLE001 - checked below
-                        answers[n] = exc
+        def send_signal() -> None:
+            if ctrl_c:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
 
-        stopping = threading.Event()
-        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-        for t in workers:
-            t.start()
-        time.sleep(signal_after_s)
-        stopping.set()
-        if ctrl_c:
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            proc.send_signal(signal.SIGTERM)
-        for t in workers:
-            t.join(timeout=60)
+        requests = drained_requests(sts_dev, per_request)
+        sent_before_signal, answers = load_across_a_signal(url, requests, threads, signal_after_s, send_signal)
         assert proc.wait(timeout=60) == 0
         lost = [n for n in sent_before_signal if not isinstance(answers.get(n), np.ndarray)]
         assert sent_before_signal and not lost, f"{len(lost)} of {len(sent_before_signal)} lost: {answers[lost[0]]!r}"

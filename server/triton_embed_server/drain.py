@@ -6,11 +6,17 @@ requests of 64 texts, sent ~1 s before the signal, in a new user's trial). Unloa
 the repository API, refuses new requests (Triton answers ``... has no available versions``, which the client
 treats as unavailable) and keeps the tokenizer and encoder loaded until every request already in the ensemble
 has its answer; the readiness endpoint turns false at once, so a load balancer stops sending.
+
+Run as a script (``python3 drain.py --http-port 8000 --admin-header H``, key in ``TRITON_EMBED_ADMIN_KEY``; stdlib
+only, Python >= 3.10) it is the compose deployment's drain: docker/triton-entrypoint.sh runs it on SIGTERM.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -53,3 +59,22 @@ def drain(http_url: str, model: str, headers: dict[str, str], timeout_s: float) 
             return time.monotonic() - start
         time.sleep(0.05)
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: drain the server on ``127.0.0.1:--http-port``; prints what happened; always exits 0."""
+    parser = argparse.ArgumentParser(description="Unload the embed ensemble and wait for its requests in flight.")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--admin-header", required=True, help="the header the repository API is locked to")
+    parser.add_argument("--model", default="embed")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="longest wait for requests in flight, seconds")
+    args = parser.parse_args(argv)
+    headers = {args.admin_header: os.environ.get("TRITON_EMBED_ADMIN_KEY", "")}
+    took = drain(f"127.0.0.1:{args.http_port}", args.model, headers, args.timeout_s)
+    said = f"drained in {took:.1f} s" if took is not None else f"did not drain within {args.timeout_s:g} s; stopping"
+    print(f"triton-embed: '{args.model}' {said}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
