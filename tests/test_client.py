@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import multiprocessing
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -212,12 +213,27 @@ def test_client_works_in_a_forked_child(server, reference, protocol):
 def test_shared_memory_without_the_admin_header_falls_back_to_the_network(server, reference, protocol):
     texts = [f"fallback text {i}" for i in range(70)]  # two chunks: both threads meet the refusal
     client = EmbeddingClient(url=url_for(server, protocol), protocol=protocol, use_shared_memory=True)
-    with pytest.warns(RuntimeWarning, match="shared memory registration .* failed"), client:
-        served = client.embed(texts)
+    with pytest.warns(RuntimeWarning, match="shared memory registration .* failed") as warned, client:
+        served, embed_line = client.embed(texts), inspect.currentframe().f_lineno
         assert client.stats().shared_memory_regions == 0
         served_again = client.embed(texts[:3])
     np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
     np.testing.assert_allclose(served_again, served[:3], atol=1e-6)
+    # once, and at the caller's line (the chunks ran in worker threads)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, embed_line)]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_async_clients_shared_memory_fallback_warns_at_the_callers_line(server, protocol):
+    async def main():
+        texts = [f"async fallback text {i}" for i in range(70)]  # two chunks, two tasks
+        async with AsyncEmbeddingClient(url=url_for(server, protocol), protocol=protocol, use_shared_memory=True) as c:
+            return await c.embed(texts), inspect.currentframe().f_lineno
+
+    with pytest.warns(RuntimeWarning, match="shared memory registration .* failed") as warned:
+        served, line = asyncio.run(main())
+    assert served.shape == (70, 384)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, line)]
 
 
 def shortest(pairs, n: int) -> list[str]:

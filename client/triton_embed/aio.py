@@ -101,6 +101,7 @@ class AsyncEmbeddingClient(ClientBase):
         except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
             raise at_call_index(exc, items) from exc.__cause__
         finally:
+            self._warn_of_fallback()
             self._calls -= 1
 
     async def similarity(self, a: str, b: str) -> float:

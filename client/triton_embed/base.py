@@ -91,6 +91,7 @@ class ClientBase:
         self._closed = False
         self._shm: ShmPool | None = None
         self._shm_lock = threading.Lock()
+        self._shm_fallback: Exception | None = None  # why shared memory was given up, until the caller is warned
         self._setup()
 
     def _longest_call_s(self) -> float:
@@ -136,7 +137,7 @@ class ClientBase:
             return None, None
 
     def _give_up_shared_memory(self, pool: ShmPool, region: Region, error: Exception) -> None:
-        """Registration failed: free the region and send tensors over the network from now on (warns once).
+        """Registration failed: free the region and send tensors over the network from now on (warned once).
 
         The caller then closes ``pool`` (blocking for the sync client, in a thread for the asyncio one).
         """
@@ -144,7 +145,18 @@ class ClientBase:
         with self._shm_lock:
             if self._shm is pool:
                 self._shm = None
-                disable_shared_memory_warning(self.url, error)
+                self._shm_fallback = error  # warned by the embed() call, in its caller's thread or task
+
+    def _warn_of_fallback(self) -> None:
+        """Issue the shared-memory fallback warning if one is due.
+
+        Called at the end of ``embed``: its chunks run in worker threads or tasks, where no frame of the caller's is
+        on the stack to point the warning at.
+        """
+        with self._shm_lock:
+            error, self._shm_fallback = self._shm_fallback, None
+        if error is not None:
+            disable_shared_memory_warning(self.url, error)
 
     def _closed_error(self) -> EmbeddingError:
         return EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")

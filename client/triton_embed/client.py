@@ -182,6 +182,7 @@ class EmbeddingClient(ClientBase):
         except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
             raise at_call_index(exc, items) from exc.__cause__
         finally:
+            self._warn_of_fallback()
             with self._idle:
                 self._calls -= 1
                 self._idle.notify_all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -15,6 +16,9 @@ from tritonclient.utils import serialize_byte_tensor
 
 from triton_embed.errors import EmbeddingError, ServerUnavailableError
 from triton_embed.shm import Region, ShmPool, output_offset
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+"""This package's folder: warnings point at the first frame outside it."""
 
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 URL_ENV = "TRITON_EMBED_URL"
@@ -272,13 +276,19 @@ class RequestBuilder:
 
 
 def disable_shared_memory_warning(url: str, error: Exception) -> None:
-    """Warn once per failure that shared memory is off for this client."""
+    """Warn once per failure that shared memory is off for this client.
+
+    The warning points at the caller's line: the first frame outside this package.
+    """
+    frame, stacklevel = sys._getframe(0), 1  # stacklevel 1 is this function
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(
         f"shared memory registration with {url} failed ({error}); falling back to sending tensors over the "
         "network (registration is an admin API: pass the server's admin key header, see the README's threat "
         "model; and client and server must share /dev/shm, e.g. the same host or container IPC namespace)",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
 
 
