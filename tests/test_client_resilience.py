@@ -150,8 +150,9 @@ def test_close_waits_for_a_call_in_flight_and_refuses_later_ones(server, kind):
             call = asyncio.create_task(client.embed(texts))
             await asyncio.sleep(0.1)  # the request is on the server now
             await client.close()
-            with pytest.raises(EmbeddingError, match="is closed"):
-                await client.embed(["after close"])
+            for later in (client.embed(["after close"]), client.health(), client.server_stats()):
+                with pytest.raises(EmbeddingError, match="is closed"):  # not "server unreachable"
+                    await later
             return await call
 
         vectors = asyncio.run(run())
@@ -162,8 +163,9 @@ def test_close_waits_for_a_call_in_flight_and_refuses_later_ones(server, kind):
             time.sleep(0.1)
             client.close()
             vectors = call.result(timeout=60)
-        with pytest.raises(EmbeddingError, match="is closed"):
-            client.embed(["after close"])
+        for later in (lambda: client.embed(["after close"]), client.health, client.server_stats):
+            with pytest.raises(EmbeddingError, match="is closed"):  # not "server unreachable"
+                later()
     assert vectors.shape == (16, 384)
 
 

@@ -170,7 +170,12 @@ class AsyncEmbeddingClient(ClientBase):
         return pool, region
 
     async def health(self) -> Health:
-        """Server liveness/readiness and this model's readiness; an unreachable server gives all False."""
+        """Server liveness/readiness and this model's readiness; an unreachable server gives all False.
+
+        Raises:
+            EmbeddingError: the client is closed (a closed client cannot tell; it is not the server's state).
+        """
+        self._check_open()
         try:
             return Health(
                 live=bool(await self._call("is_server_live")),
@@ -182,6 +187,7 @@ class AsyncEmbeddingClient(ClientBase):
 
     async def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API."""
+        self._check_open()
         rows = []
         for name in models:
             if self.settings.protocol == "grpc":

@@ -160,3 +160,8 @@ class ClientBase:
 
     def _closed_error(self) -> EmbeddingError:
         return EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
+
+    def _check_open(self) -> None:
+        """Raise ``EmbeddingError`` (the client is closed) once ``close()`` has begun."""
+        if self._closing:
+            raise self._closed_error()

@@ -255,7 +255,12 @@ class EmbeddingClient(ClientBase):
 
     # -- health and statistics --------------------------------------------------------------------------------
     def health(self) -> Health:
-        """Server liveness/readiness and this model's readiness; an unreachable server gives all False."""
+        """Server liveness/readiness and this model's readiness; an unreachable server gives all False.
+
+        Raises:
+            EmbeddingError: the client is closed (a closed client cannot tell; it is not the server's state).
+        """
+        self._check_open()
         try:
             return Health(
                 live=bool(self._call("is_server_live")),
@@ -267,6 +272,7 @@ class EmbeddingClient(ClientBase):
 
     def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API (since server start)."""
+        self._check_open()
         rows = []
         for name in models:
             if self.protocol == "grpc":
