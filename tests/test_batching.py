@@ -101,10 +101,10 @@ def windowed_server(tmp_path_factory):
 def test_two_requests_of_different_lengths_share_one_encoder_execution(windowed_server):
     # Ragged batching: without allow_ragged_batch Triton never merges [1, 4] and [1, 40] shaped requests (seen:
     # executions 2, 2, 2). With it they meet in the 200 ms window; on this shared machine one try in a few
-    # missed it, so up to 3 tries.
+    # missed it, and once in CI 3 tries in a row did (a busy spell), so up to 5 tries.
     url = windowed_server.grpc_url
     seen = []
-    for attempt in range(3):
+    for attempt in range(5):
         short = f"short {attempt}"
         long = f"{attempt} " + " ".join(["considerably longer sentence"] * 12)
         before = counts(url, "encoder")
