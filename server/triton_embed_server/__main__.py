@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from triton_embed_server.embedded import (
     ServerConfig,
     ServerError,
     StartupCancelled,
+    StopFlag,
 )
 from triton_embed_server.layout import LayoutError
 
@@ -44,6 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def install_stop_handlers() -> StopFlag:
+    """SIGINT and SIGTERM set the returned flag (lock-free: see :class:`StopFlag`)."""
+    stop = StopFlag()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def serve(args: argparse.Namespace) -> int:
     """Start, wait for READY, print the endpoints, block until a signal, stop. Returns the exit status.
 
@@ -61,9 +69,7 @@ def serve(args: argparse.Namespace) -> int:
         log_verbose=args.log_verbose,
         admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = install_stop_handlers()
     try:
         server.start()
         print(f"starting tritonserver (pid {server.pid}) on {args.host} ...", flush=True)
