@@ -12,7 +12,7 @@ import argparse
 import json
 import signal
 import sys
-import threading
+import time
 from dataclasses import asdict
 
 from triton_embed.monitor.flags import IDLE_WITH_QUEUE, FlagThresholds
@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: cannot serve metrics on {args.host}:{args.port}: {exc}", file=sys.stderr)
         monitor.stop()
         return 1
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # a plain list, not a threading.Event: a handler that interrupts Event.wait() while it holds the Event's lock
+    # would wait for that lock forever (seen in `make serve`; triton_embed_server.embedded.StopFlag)
+    stop: list[int] = []
+    previous = {sig: signal.signal(sig, lambda n, _: stop.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
     names = ", ".join(f"{s.index}: {s.name}" for s in monitor.sample_once())
     print(
         f"{PROG}: sampling every {args.interval:g} s ({names}); metrics on http://{args.host}:{server.server_port}/metrics"
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     monitor.start()
     try:
-        stop.wait()
+        while not stop:
+            time.sleep(0.2)
     finally:
         monitor.stop()
         server.shutdown()
