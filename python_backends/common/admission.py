@@ -59,26 +59,31 @@ class Refusal:
     """Why a request was refused: predicted work before its batch and its batch's run (ms), and its budget (ms).
 
     ``share`` is the part of that budget admission planned with (``target.py``); the message names it when < 1.
+    ``delays_earlier``: its own budget would hold, but the batch would end past the deadline of a request already
+    in it.
     """
 
     ahead_ms: float
     batch_ms: float
     budget_ms: float
     share: float = 1.0
+    delays_earlier: bool = False
 
     def message(self) -> str:
         """The UNAVAILABLE message the client sees; names the limit, the prediction and the knobs."""
-        plan = "and end past"
-        if self.share < 1.0:
-            plan = (
-                f"and end past {self.share * self.budget_ms:.0f} ms, the {self.share:.0%} (admission's share after "
-                "late requests or an idle spell) of"
-            )
-        return overloaded(
+        prediction = (
             f"the encoder has ~{self.ahead_ms:.0f} ms of work before this request's batch, which would run "
-            f"~{self.batch_ms:.0f} ms {plan}",
-            self.budget_ms,
+            f"~{self.batch_ms:.0f} ms with it: it would end in ~{self.ahead_ms + self.batch_ms:.0f} ms"
         )
+        if self.delays_earlier:
+            return overloaded(f"{prediction}, and make a request already in that batch miss", self.budget_ms)
+        limit = ", past"
+        if self.share < 1.0:
+            limit = (
+                f", past {self.share * self.budget_ms:.0f} ms, the {self.share:.0%} (admission's share after late "
+                "requests or an idle spell) of"
+            )
+        return overloaded(f"{prediction}{limit}", self.budget_ms)
 
 
 NEVER = 2**62
@@ -142,9 +147,10 @@ class Plan:
             ahead, joined, deadlines = ahead + self.spread * self.batch_ms_of(self.rows, self.width), (0, 0), []
         batch_ms = self.batch_ms_of(joined[0] + rows, max(joined[1], width))
         end_ns = self.now_ns + int(1e6 * (ahead + batch_ms))
-        if end_ns <= min([self.now_ns + int(1e6 * share * budget_ms), *deadlines]):
+        limit_ns = self.now_ns + int(1e6 * share * budget_ms)
+        if end_ns <= min([limit_ns, *deadlines]):
             return None
-        return Refusal(ahead, batch_ms, budget_ms, share)
+        return Refusal(ahead, batch_ms, budget_ms, share, delays_earlier=end_ns <= limit_ns)
 
     def close(self) -> None:
         """Close the open batch: what comes next goes into a new one after it."""

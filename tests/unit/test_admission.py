@@ -56,7 +56,10 @@ def test_a_newcomer_is_refused_when_it_would_make_an_earlier_request_late():
     plan = backlog.plan([load(busy_ms=70)], COST, NOW)  # its batch: 70 ms of the running one + 2 ms = 72 ms
     # 4 texts x 40 tokens = 16 ms: its own deadline (180 ms) holds, but the batch would end at 70 + 20 = 90 ms.
     refusal = plan.judge(4, 40, 180)
-    assert refusal is not None and refusal.batch_ms == pytest.approx(20.0)
+    assert refusal is not None and refusal.batch_ms == pytest.approx(20.0) and refusal.delays_earlier
+    assert "end in ~90 ms, and make a request already in that batch miss the 180 ms latency budget" in (
+        refusal.message()
+    )
     assert plan.judge(1, 20, 180) is None  # 70 + 4 ms: both fit
     assert plan.judge(4, 40, 0) is None  # budget 0: never refused
 
@@ -164,7 +167,7 @@ def test_a_request_must_end_within_the_share_of_its_budget():
     assert plan.judge(1, 20, 180, share=0.6) is None  # 102 ms <= 108 ms
     refusal = plan.judge(1, 20, 180, share=0.5)  # 102 ms > 90 ms
     assert refusal is not None and refusal.budget_ms == 180
-    assert "end past 90 ms, the 50% (admission's share" in refusal.message()
+    assert "it would end in ~102 ms, past 90 ms, the 50% (admission's share" in refusal.message()
     assert "of the 180 ms latency budget" in refusal.message()
     # Big by itself against the share planned with: 4 x 20 ms = 80 ms < 90 ms, so judged (and refused: 100 + 20 ms);
     # 4 x 40 ms = 160 ms >= 90 ms, so never refused here (the encoder judges it on its real wait).
