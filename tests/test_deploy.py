@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -326,6 +327,22 @@ def test_entrypoint_locks_admin_apis_like_the_embedded_server():
     # outside the image there is no watchdog script at the default path: said, not silent; 0 turns it off
     assert "no stub watchdog at /opt/triton-embed/supervisor.py" in given.stderr
     assert "watchdog" not in run(TRITON_EMBED_ADMIN_KEY="k", TRITON_EMBED_WATCH_STUBS="0").stderr
+
+
+def test_the_entrypoints_drain_says_so_when_no_server_answers():
+    """A stop before tritonserver is up: the drain says it did not happen, at once (it said "did not drain within
+    30 s" after 0.2 s, a new user found)."""
+    from triton_embed_server.embedded import free_port
+
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "server" / "triton_embed_server" / "drain.py"), "--http-port", str(free_port()),
+         "--admin-header", "triton-embed-admin-key", "--timeout-s", "30"],
+        capture_output=True, text=True, check=False, timeout=60, env={"TRITON_EMBED_ADMIN_KEY": "k"},
+    )  # fmt: skip
+    assert done.returncode == 0 and time.monotonic() - started < 10
+    assert "triton-embed: no drain (could not unload 'embed' at 127.0.0.1:" in done.stderr, done.stderr
+    assert "within 30 s" not in done.stderr
 
 
 # -- Prometheus and the Grafana dashboard -------------------------------------------------------------------------

@@ -38,12 +38,19 @@ def model_state(http_url: str, model: str, headers: dict[str, str]) -> str | Non
     return states[0] if states else None
 
 
+class DrainError(RuntimeError):
+    """The unload that starts a drain failed: the server did not answer (not up yet) or refused it."""
+
+
 def drain(http_url: str, model: str, headers: dict[str, str], timeout_s: float) -> float | None:
     """Unload ``model`` (the ensemble) and wait until it has no request in flight; return the seconds it took.
 
-    Returns None when the drain did not happen or did not finish within ``timeout_s`` seconds (the admin API
-    refused, the server did not answer, or requests were still running): the caller stops the server anyway,
-    and Triton's own exit timeout takes over.
+    Returns None when requests were still in flight after ``timeout_s`` seconds: the caller stops the server
+    anyway, and Triton's own exit timeout takes over.
+
+    Raises:
+        DrainError: the unload request failed (no answer within 10 s, connection refused, HTTP error such as 403
+            without the admin key); nothing was drained.
     """
     start = time.monotonic()
     request = urllib.request.Request(  # noqa: S310 - our own loopback server
@@ -52,8 +59,8 @@ def drain(http_url: str, model: str, headers: dict[str, str], timeout_s: float) 
     try:
         with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
             response.read()
-    except (urllib.error.URLError, OSError):
-        return None
+    except (urllib.error.URLError, OSError) as exc:
+        raise DrainError(f"could not unload '{model}' at {http_url}: {exc}") from exc
     while time.monotonic() - start < timeout_s:
         if model_state(http_url, model, headers) not in IN_FLIGHT_STATES:
             return time.monotonic() - start
@@ -70,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="longest wait for requests in flight, seconds")
     args = parser.parse_args(argv)
     headers = {args.admin_header: os.environ.get("TRITON_EMBED_ADMIN_KEY", "")}
-    took = drain(f"127.0.0.1:{args.http_port}", args.model, headers, args.timeout_s)
+    try:
+        took = drain(f"127.0.0.1:{args.http_port}", args.model, headers, args.timeout_s)
+    except DrainError as exc:  # e.g. a stop before the server was up: nothing to drain
+        print(f"triton-embed: no drain ({exc}); stopping", file=sys.stderr, flush=True)
+        return 0
     said = f"drained in {took:.1f} s" if took is not None else f"did not drain within {args.timeout_s:g} s; stopping"
     print(f"triton-embed: '{args.model}' {said}", file=sys.stderr, flush=True)
     return 0

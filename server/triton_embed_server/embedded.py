@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from triton_embed_server.drain import drain
+from triton_embed_server.drain import DrainError, drain
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
 from triton_embed_server.shm import backend_regions, remove_orphans
 from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, group_members
@@ -373,9 +373,13 @@ class EmbeddedServer:
             self.watchdog.stop()
             self.watchdog = None
         if self.is_alive() and self.is_ready():
-            took = drain(self.http_url, READY_MODEL, self.admin_headers("http"), self.config.exit_timeout_s)
-            if took is None:
-                log.warning("'%s' did not drain within %d s; stopping anyway", READY_MODEL, self.config.exit_timeout_s)
+            try:
+                took = drain(self.http_url, READY_MODEL, self.admin_headers("http"), self.config.exit_timeout_s)
+            except DrainError as exc:
+                log.warning("no drain (%s); stopping anyway", exc)
+            else:
+                if took is None:
+                    log.warning("'%s' did not drain within %d s; stopping", READY_MODEL, self.config.exit_timeout_s)
         process, self._process = self._process, None
         code = None
         if process is not None:
