@@ -89,7 +89,10 @@ def test_a_server_side_error_names_the_callers_index_not_the_row_of_its_request(
 
 
 def test_client_rejects_non_text_before_sending(server):
-    with EmbeddingClient(url=server.grpc_url) as client, pytest.raises(InvalidInputError, match=r"texts\[1\] is int"):
+    with (
+        EmbeddingClient(url=server.grpc_url) as client,
+        pytest.raises(InvalidInputError, match=r"texts\[1\] is int; every text must be str or UTF-8 bytes"),
+    ):
         client.embed(["fine", 42])
 
 

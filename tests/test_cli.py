@@ -89,6 +89,16 @@ def test_unreachable_server_is_a_clear_error():
     assert "ServerUnavailableError" in done.stderr and "127.0.0.1:1" in done.stderr
 
 
+def test_the_wrong_port_for_the_protocol_says_which_port_to_use(server):
+    # a new user: TRITON_EMBED_URL at the gRPC port, then `--protocol http` as the README's stdin example shows
+    env = {**os.environ, "TRITON_EMBED_URL": server.grpc_url}
+    done = subprocess.run([*CLI, "embed", "--protocol", "http", "x"], capture_output=True, text=True, timeout=120,
+                          check=False, env=env)  # fmt: skip
+    assert done.returncode != 0 and "is this Triton's gRPC port? HTTP is --http-port" in done.stderr, done.stderr
+    done = run_cli("embed", "--protocol", "grpc", "--url", server.http_url, "x")
+    assert done.returncode != 0 and "if this is Triton's HTTP port, use protocol 'http'" in done.stderr, done.stderr
+
+
 def test_embed_reads_a_file(server, reference, tmp_path):
     path = tmp_path / "texts.txt"
     path.write_text("from a file\nsecond line\n", encoding="utf-8")

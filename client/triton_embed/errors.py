@@ -70,7 +70,23 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
             cls = ServerUnavailableError
         else:
             cls = ServerError
-    return cls(f"model '{model}' at {url}: {message}")
+    return cls(f"model '{model}' at {url}: {message}{_wrong_port_hint(message)}")
+
+
+def _wrong_port_hint(message: str) -> str:
+    """A hint when the answer looks like the other protocol's port (``--url``/``TRITON_EMBED_URL`` vs the protocol).
+
+    HTTP/1.1 to Triton's gRPC port (HTTP/2) fails to parse the reply; gRPC to its HTTP port sees the socket closed
+    (which a server going down also shows, hence "if").
+    """
+    if "Expected HTTP/" in message:
+        return (
+            " (an HTTP client reached a port that does not speak HTTP/1.1: is this Triton's gRPC port? HTTP is "
+            "--http-port, 8000 by default; or use protocol 'grpc')"
+        )
+    if "Socket closed" in message:
+        return " (if this is Triton's HTTP port, use protocol 'http'; gRPC is --grpc-port, 8001 by default)"
+    return ""
 
 
 _ROW = re.compile(r"\brow (\d+)\b")  # how the tokenizer names a bad text: "input 'TEXT' row 6 has 70000 bytes"

@@ -50,5 +50,5 @@ def as_texts(texts: TextsLike) -> list[str]:
                     f"({exc.reason}); nothing was sent"
                 ) from None
         else:
-            raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str")
+            raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str or UTF-8 bytes")
     return out
