@@ -23,7 +23,7 @@ LOCUST_ARGS ?=
 CAPACITY_USERS ?= 1,2,4,8,16,32
 CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
-	--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS)
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
 .PHONY: install model serve test lint bench clean loadtest loadtest-ui capacity system-deps
 
@@ -92,4 +92,4 @@ loadtest-ui: install
 # Highest throughput that passes the SLA gate, stepping the users through CAPACITY_USERS (30 s per step).
 capacity: install
 	$(PY) -m loadtest.capacity --users $(CAPACITY_USERS) --step-s $(CAPACITY_STEP_S) -- --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
-		--grpc-port $(GRPC_PORT) --sla-ms $(SLA_MS) $(LOCUST_ARGS)
+		--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS) $(LOCUST_ARGS)

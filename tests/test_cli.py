@@ -111,9 +111,12 @@ def test_embed_reads_a_file(server, reference, tmp_path):
 def test_health_reports_ready(server):
     done = run_cli("health", "--json", "--url", server.grpc_url)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"live": True, "ready": True, "model_ready": True}
+    assert json.loads(done.stdout) == {"live": True, "ready": True, "model_ready": True, "error": ""}
     down = run_cli("health", "--url", "127.0.0.1:1")
-    assert down.returncode == 1 and "model_ready=False" in down.stdout
+    assert down.returncode == 1 and "model_ready=False" in down.stdout and "127.0.0.1:1" in down.stderr
+    # the other protocol's port: not just "down", but why (a new user's probe script)
+    wrong = run_cli("health", "--url", server.http_url)
+    assert wrong.returncode == 1 and "if this is Triton's HTTP port, use protocol 'http'" in wrong.stderr
 
 
 def test_stats_table_has_every_step(server):

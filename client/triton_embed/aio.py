@@ -182,8 +182,8 @@ class AsyncEmbeddingClient(ClientBase):
                 ready=bool(await self._call("is_server_ready")),
                 model_ready=bool(await self._call("is_model_ready", self.model)),
             )
-        except EmbeddingError:
-            return Health(False, False, False)
+        except EmbeddingError as exc:
+            return Health(False, False, False, error=str(exc))
 
     async def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API."""

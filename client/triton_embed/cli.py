@@ -100,11 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if args.command == "health":
                 health = client.health()
-                print(
-                    json.dumps(health.__dict__)
-                    if args.json
-                    else " ".join(f"{k}={v}" for k, v in health.__dict__.items())
-                )
+                states = {k: v for k, v in health.__dict__.items() if k != "error"}
+                print(json.dumps(health.__dict__) if args.json else " ".join(f"{k}={v}" for k, v in states.items()))
+                if health.error and not args.json:
+                    print(f"triton-embed: {health.error}", file=sys.stderr)
                 return 0 if health.model_ready else 1
             if args.command == "stats":
                 rows = client.server_stats()

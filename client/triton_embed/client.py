@@ -30,11 +30,15 @@ __all__ = ["EmbeddingClient", "Health", "normalise_url"]
 
 @dataclass(frozen=True)
 class Health:
-    """``live``: the server answers; ``ready``: all its models loaded; ``model_ready``: this client's model."""
+    """``live``: the server answers; ``ready``: all its models loaded; ``model_ready``: this client's model.
+
+    ``error``: why the server could not be asked ("" when it answered), e.g. the wrong port for the protocol.
+    """
 
     live: bool
     ready: bool
     model_ready: bool
+    error: str = ""
 
 
 def _protocol_module(protocol: str):
@@ -267,8 +271,8 @@ class EmbeddingClient(ClientBase):
                 ready=bool(self._call("is_server_ready")),
                 model_ready=bool(self._call("is_model_ready", self.model)),
             )
-        except EmbeddingError:
-            return Health(False, False, False)
+        except EmbeddingError as exc:
+            return Health(False, False, False, error=str(exc))
 
     def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API (since server start)."""
