@@ -48,6 +48,24 @@ for arg in "$@"; do
     previous="$arg"
 done
 
+server_pid=""
+drain_then_stop() {
+    trap '' TERM INT  # one drain; tritonserver's own exit timeout bounds the rest
+    if [[ -z "$server_pid" ]]; then  # a signal right after the launch, before server_pid was set
+        set +u; server_pid="$!"; set -u
+    fi
+    if [[ -z "$server_pid" ]]; then exit 143; fi  # before the launch: nothing to stop
+    local drainer="${TRITON_EMBED_DRAIN:-/opt/triton-embed/drain.py}" timeout="${TRITON_EMBED_DRAIN_TIMEOUT:-30}"
+    if [[ "$timeout" != 0 && -f "$drainer" ]]; then
+        TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$drainer" --http-port "$http_port" \
+            --admin-header "$admin_header" --timeout-s "$timeout" </dev/null || true
+    elif [[ "$timeout" != 0 ]]; then
+        echo "triton-embed: no drain script at $drainer: stopping without a drain" >&2
+    fi
+    kill -TERM "$server_pid" 2>/dev/null || true  # (a background job starts with SIGINT ignored)
+}
+trap drain_then_stop TERM INT
+
 "${TRITONSERVER:-tritonserver}" "$@" \
     "--http-restricted-api=${restricted_apis}:${admin_header}=${admin_key}" \
     "--grpc-restricted-protocol=${restricted_apis}:${admin_header}=${admin_key}" </dev/null &
@@ -62,19 +80,6 @@ if [[ "${TRITON_EMBED_WATCH_STUBS:-1}" != 0 ]]; then
         echo "triton-embed: no stub watchdog at $watchdog: a crashed stub stays down until a restart" >&2
     fi
 fi
-
-drain_then_stop() {
-    trap '' TERM INT  # one drain; tritonserver's own exit timeout bounds the rest
-    local drainer="${TRITON_EMBED_DRAIN:-/opt/triton-embed/drain.py}" timeout="${TRITON_EMBED_DRAIN_TIMEOUT:-30}"
-    if [[ "$timeout" != 0 && -f "$drainer" ]]; then
-        TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$drainer" --http-port "$http_port" \
-            --admin-header "$admin_header" --timeout-s "$timeout" </dev/null || true
-    elif [[ "$timeout" != 0 ]]; then
-        echo "triton-embed: no drain script at $drainer: stopping without a drain" >&2
-    fi
-    kill -TERM "$server_pid" 2>/dev/null || true  # (a background job starts with SIGINT ignored)
-}
-trap drain_then_stop TERM INT
 
 # `wait` returns early (status > 128) when a trapped signal arrives: wait again until tritonserver has exited.
 # If it exited during the drain, one more `wait` gives its status (127 when that was already given).
