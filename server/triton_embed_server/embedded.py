@@ -355,10 +355,7 @@ class EmbeddedServer:
                         admin_key=self.config.admin_key,
                     ).start()
                 return self
-            if cancel is not None:
-                cancel.wait(0.25)
-            else:
-                time.sleep(0.25)
+            time.sleep(0.25)
         raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def stop(self) -> int | None:

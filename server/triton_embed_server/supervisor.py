@@ -46,6 +46,11 @@ class ProcState(NamedTuple):
     ppid: int
     pgrp: int
 
+    @property
+    def running(self) -> bool:
+        """Not a zombie (``Z``) or dead (``X``): it has not exited."""
+        return self.state not in ("Z", "X")
+
 
 def proc_state(pid: int) -> ProcState | None:
     """``pid``'s :class:`ProcState`, or None when there is no such process."""
@@ -59,7 +64,7 @@ def proc_state(pid: int) -> ProcState | None:
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
     stat = proc_state(pid)
-    return stat is not None and stat.state not in ("Z", "X")
+    return stat is not None and stat.running
 
 
 def group_members(pgid: int) -> list[int]:
@@ -67,7 +72,7 @@ def group_members(pgid: int) -> list[int]:
     members = []
     for proc in Path("/proc").glob("[0-9]*"):
         stat = proc_state(int(proc.name))
-        if stat is not None and stat.pgrp == pgid and stat.state not in ("Z", "X"):
+        if stat is not None and stat.pgrp == pgid and stat.running:
             members.append(int(proc.name))
     return members
 
@@ -92,7 +97,7 @@ def stub_processes(server_pid: int) -> dict[int, str]:
         if not proc.name.isdigit():
             continue
         stat = proc_state(int(proc.name))
-        if stat is None or stat.ppid != server_pid or stat.state in ("Z", "X"):
+        if stat is None or stat.ppid != server_pid or not stat.running:
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
