@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +191,9 @@ def _markdown(report: dict) -> str:
             "",
             f"{hits} of {requests} requests ({100 * hits / requests:.0f}%)"
             " were answered from the response cache: repeated texts measure the cache, not the model. Use a larger"
-            " corpus, or turn `response_cache` off in `embed/config.pbtxt`, to measure the model.",
+            " corpus, or turn `response_cache` off in `embed/config.pbtxt`, to measure the model. The cache sits in"
+            " front of the ensemble: the `embed` row counts those requests (its hits column), and the steps never"
+            " see them, so the tokenizer's and the encoder's requests are fewer by as many.",
         ]
     if check["triton_requests"] is None:
         lines += ["", "Triton's statistics could not be read at the end of the run: no breakdown, no count check."]
@@ -243,7 +246,7 @@ def _plots(report: dict, folder: Path) -> None:
     rps.set_ylabel("requests/s")
     rps.set_xlabel("seconds since start")
     rps.legend(loc="upper right")
-    fig.suptitle(report["gate"]["line"][:110], fontsize=8)
+    fig.suptitle(textwrap.fill(report["gate"]["line"], width=130), fontsize=8)  # the whole verdict, wrapped
     fig.tight_layout()
     fig.savefig(folder / "latency.png", dpi=100)
     plt.close(fig)
