@@ -18,8 +18,19 @@ def text_tensor(texts: list[str] | list[bytes]) -> np.ndarray:
     return np.array([[t.encode() if isinstance(t, str) else t] for t in texts], dtype=np.object_)
 
 
-def infer(url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str], protocol: str = "grpc"):
-    """Send one request with the given named inputs; return {output name: array}. Raises InferenceServerException."""
+def infer(
+    url: str,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    outputs: list[str],
+    protocol: str = "grpc",
+    parameters: dict | None = None,
+):
+    """Send one request with the given named inputs (and request ``parameters``); return {output name: array}.
+
+    Raises:
+        InferenceServerException: the server's error.
+    """
     module = grpcclient if protocol == "grpc" else httpclient
     client = module.InferenceServerClient(url)
     try:
@@ -32,7 +43,8 @@ def infer(url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str
             else:
                 tensor.set_data_from_numpy(array)
             tensors.append(tensor)
-        result = client.infer(model, tensors, outputs=[module.InferRequestedOutput(o) for o in outputs])
+        requested = [module.InferRequestedOutput(o) for o in outputs]
+        result = client.infer(model, tensors, outputs=requested, parameters=parameters)
         return {o: result.as_numpy(o) for o in outputs}
     finally:
         client.close()

@@ -1,16 +1,19 @@
 """Load shedding end to end: an encoder that makes every request wait 400 ms sheds it, unless the request asks for
-a longer budget (request parameter ``latency_budget_ms``, set by the client's ``latency_budget_ms``); and the
-tokenizer refuses at once a request queued behind more work than its budget allows (admission control)."""
+a longer budget (request parameter ``latency_budget_ms``, set by the client's ``latency_budget_ms``); the
+tokenizer refuses at once a request queued behind more work than its budget allows (admission control); and both
+count the time a request took to reach the server when it says when it was sent (request parameter ``sent_ns``)."""
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from helpers import scrape, text_tensor
+from helpers import infer, scrape, text_tensor
 from triton_embed import EmbeddingClient
 from triton_embed.errors import ServerUnavailableError
 from triton_embed_server.embedded import EmbeddedServer
@@ -87,13 +90,51 @@ def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_s
         time.sleep(0.3)  # the bulk request is through the tokenizer
         with pytest.raises(ServerUnavailableError, match="LATENCY_BUDGET_MS") as caught:
             interactive.embed(["an interactive request behind the bulk job"])
-        assert not job.done()  # refused before the work ahead of it was done, not after queueing behind it
         assert "of work before this request's batch" in str(caught.value)
+        # A budget the work ahead would fit in, but the request was sent a minute ago: the tokenizer counts that.
+        with pytest.raises(InferenceServerException) as stale:
+            texts = text_tensor(["sent a minute ago"])
+            parameters = {"latency_budget_ms": 30_000, "sent_ns": time.time_ns() - 60 * 10**9}
+            infer(late_server.grpc_url, "embed", {"TEXT": texts}, ["EMBEDDING"], parameters=parameters)
+        assert not job.done()  # refused before the work ahead of it was done, not after queueing behind it
+        assert re.search(r"reached the tokenizer ~600\d\d ms after it was sent \(sent_ns\)", stale.value.message())
         assert job.result().shape == (64, 384)
-    assert tokenizer_refusals(late_server) == before + 1
+    assert tokenizer_refusals(late_server) == before + 2
 
 
 def test_the_client_checks_the_budget_before_sending():
     for bad in (-1, -0.5, True, float("nan"), float("inf"), 1e308, "180"):
         with pytest.raises(ValueError, match="latency_budget_ms must be a number of ms from 0 to 3600000"):
             EmbeddingClient(url="127.0.0.1:1", latency_budget_ms=bad)
+
+
+def embed_sent(server, protocol: str, sent_ns: int | str) -> np.ndarray:
+    """One new text (never a cache hit) through ``embed`` with the request parameter ``sent_ns``; its embedding."""
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    texts = text_tensor([f"a request that says when it was sent {uuid.uuid4()}"])
+    return infer(url, "embed", {"TEXT": texts}, ["EMBEDDING"], protocol, {"sent_ns": sent_ns})["EMBEDDING"]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_request_sent_longer_ago_than_its_budget_is_shed_naming_the_wait(server, protocol):
+    assert embed_sent(server, protocol, time.time_ns()).shape == (1, 384)
+    assert embed_sent(server, protocol, time.time_ns() + 10**10).shape == (1, 384)  # a clock 10 s ahead: age 0
+    with pytest.raises(InferenceServerException) as caught:
+        embed_sent(server, protocol, time.time_ns() - 10**10)  # sent 10 s ago: the 180 ms budget is spent
+    assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
+    # An idle server lets its tokenizer pass it (nothing to spare); its encoder sheds it, naming the wait.
+    assert re.search(
+        r"waited (99|100)\d\d ms before the encoder \((99|100)\d\d ms of it late in reaching the tokenizer, by "
+        r"sent_ns\)",
+        caught.value.message(),
+    ), caught.value.message()
+    assert embed_sent(server, protocol, time.time_ns()).shape == (1, 384)  # and serves the next one
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_bad_send_stamp_is_invalid_input(server, protocol):
+    with pytest.raises(InferenceServerException) as caught:
+        embed_sent(server, protocol, "yesterday")
+    assert str(caught.value.status()) in ("StatusCode.INVALID_ARGUMENT", "400")
+    assert "request parameter 'sent_ns' must be a whole number of ns since the Unix epoch" in caught.value.message()
+    assert "got 'yesterday'" in caught.value.message()

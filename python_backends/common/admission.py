@@ -10,6 +10,11 @@ tokenizer sees every request first, so it predicts the encoder's schedule instea
                      + its batch: the open batch (what has queued since the running execution began) plus itself,
                        costed by the encoder's own model (``cost.CostModel``, published with the load)
 
+The budget runs from the tokenizer's stamp; a request that says when the client sent it (request parameter
+``sent_ns``) also has the time it took to get there counted, beyond the few ms the budget leaves for that
+(``shedding.late_arrival_ms``): under a burst on shared cores, half the late requests had waited 60-185 ms before
+the stamp, in the client's send, the frontend and the tokenizer's queue.
+
 The dynamic batcher gives the encoder everything queued when it frees up (up to ``max_batch_size`` texts), so a
 newcomer also delays every request already in the open batch: it is refused as well when its batch would end past
 the deadline of any of them. Requests that are big by themselves (``BIG_REQUEST_FACTOR`` x their own execution >=
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 
 from cost import CostModel
 from loadboard import EncoderLoad
-from shedding import BIG_REQUEST_FACTOR, overloaded
+from shedding import BIG_REQUEST_FACTOR, SEND_ALLOWANCE_MS, overloaded
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class Refusal:
 
     ``share`` is the part of that budget admission planned with (``target.py``); the message names it when < 1.
     ``delays_earlier``: its own budget would hold, but the batch would end past the deadline of a request already
-    in it.
+    in it. ``waited_ms``: how much longer than :data:`shedding.SEND_ALLOWANCE_MS` it took to reach the tokenizer
+    since the client sent it (``sent_ns``), ms.
     """
 
     ahead_ms: float
@@ -68,13 +74,21 @@ class Refusal:
     budget_ms: float
     share: float = 1.0
     delays_earlier: bool = False
+    waited_ms: float = 0.0
 
     def message(self) -> str:
         """The UNAVAILABLE message the client sees; names the limit, the prediction and the knobs."""
+        end_ms = self.waited_ms + self.ahead_ms + self.batch_ms
         prediction = (
             f"the encoder has ~{self.ahead_ms:.0f} ms of work before this request's batch, which would run "
-            f"~{self.batch_ms:.0f} ms with it: it would end in ~{self.ahead_ms + self.batch_ms:.0f} ms"
+            f"~{self.batch_ms:.0f} ms with it: it would end in ~{end_ms:.0f} ms"
         )
+        if self.waited_ms >= 0.5:
+            prediction = (
+                f"the request reached the tokenizer ~{self.waited_ms + SEND_ALLOWANCE_MS:.0f} ms after it was sent "
+                f"(sent_ns), ~{self.waited_ms:.0f} ms more than the {SEND_ALLOWANCE_MS:g} ms the budget leaves for "
+                f"that, and {prediction} with that wait"
+            )
         if self.delays_earlier:
             return overloaded(f"{prediction}, and make a request already in that batch miss", self.budget_ms)
         limit = ", past"
@@ -124,15 +138,18 @@ class Plan:
         """Predicted run time of one execution of ``rows`` texts padded to ``width`` tokens, ms (0 for none)."""
         return self.cost.estimate_ms(rows, width) if rows else 0.0
 
-    def judge(self, rows: int, width: int, budget_ms: float, share: float = 1.0) -> Refusal | None:
+    def judge(
+        self, rows: int, width: int, budget_ms: float, share: float = 1.0, *, waited_ms: float = 0.0
+    ) -> Refusal | None:
         """Refuse a request of ``rows`` texts (longest ``width`` tokens) arriving now with ``budget_ms``?
 
         It joins the open batch if the texts fit, else opens the next one. Refused when the budget is on (> 0), the
         request is not big by itself (``BIG_REQUEST_FACTOR`` x its own run < its target), and the batch it joins
-        would end past its target (``share`` x budget from now; :class:`target.AdmissionTarget`) or the deadline of
-        a request already in that batch (which it would delay). "Big" is measured against the same target the
-        plan uses: against the whole budget, a chunk of 64 short texts (~40 ms on 2 CPU cores) was refused by the
-        25% share of an idle server with nothing queued, for its size alone (a new user's bulk call, 2026-11-30).
+        would end past its target (``share`` x budget, less ``waited_ms``: how late it reached the tokenizer;
+        :class:`target.AdmissionTarget`) or the deadline of a request already in that batch (which it would delay).
+        "Big" is measured against the same target the plan uses: against the whole budget, a chunk of 64 short texts
+        (~40 ms on 2 CPU cores) was refused by the 25% share of an idle server with nothing queued, for its size alone
+        (a new user's bulk call, 2026-11-30).
         """
         own = self.cost.own_ms(rows, width)
         if budget_ms <= 0 or BIG_REQUEST_FACTOR * own >= share * budget_ms:
@@ -147,10 +164,10 @@ class Plan:
             ahead, joined, deadlines = ahead + self.spread * self.batch_ms_of(self.rows, self.width), (0, 0), []
         batch_ms = self.batch_ms_of(joined[0] + rows, max(joined[1], width))
         end_ns = self.now_ns + int(1e6 * (ahead + batch_ms))
-        limit_ns = self.now_ns + int(1e6 * share * budget_ms)
+        limit_ns = self.now_ns + int(1e6 * (share * budget_ms - waited_ms))
         if end_ns <= min([limit_ns, *deadlines]):
             return None
-        return Refusal(ahead, batch_ms, budget_ms, share, delays_earlier=end_ns <= limit_ns)
+        return Refusal(ahead, batch_ms, budget_ms, share, delays_earlier=end_ns <= limit_ns, waited_ms=waited_ms)
 
     def close(self) -> None:
         """Close the open batch: what comes next goes into a new one after it."""
@@ -216,15 +233,18 @@ class Backlog:
         elapsed_ms = (now_ns - load.running_since_ns) / 1e6
         return max(0.0, cost.margin * max(load.running_ms, elapsed_ms) - elapsed_ms)
 
-    def admit(self, plan: Plan, stamp_ns: int, rows: int, width: int, budget_ms: float) -> None:
+    def admit(
+        self, plan: Plan, stamp_ns: int, rows: int, width: int, budget_ms: float, *, waited_ms: float = 0.0
+    ) -> None:
         """Remember an admitted request (and add it to ``plan``) until the encoder takes it or it expires.
 
-        Its deadline is ``budget_ms`` after ``stamp_ns`` (never when 0), or ``BIG_REQUEST_FACTOR``
-        x its own run when longer, as in the encoder's shedding; it is forgotten after twice that (at least 2 s).
+        Its deadline is ``budget_ms`` after ``stamp_ns`` less ``waited_ms`` (how late it reached the tokenizer; never
+        when the budget is 0), or ``BIG_REQUEST_FACTOR`` x its own run when longer, as in the encoder's shedding; it is
+        forgotten after twice that (at least 2 s).
         """
         own = plan.cost.own_ms(rows, width)
         deadline_ms = max(budget_ms, BIG_REQUEST_FACTOR * own) if budget_ms > 0 else 0.0
-        deadline_ns = stamp_ns + int(1e6 * deadline_ms) if deadline_ms else NEVER
+        deadline_ns = stamp_ns + int(1e6 * (deadline_ms - waited_ms)) if deadline_ms else NEVER
         self._queue.append(Admitted(stamp_ns, rows, width, deadline_ns, stamp_ns + int(2e6 * max(deadline_ms, 1e3))))
         plan.add(rows, width, deadline_ns)
 

@@ -22,7 +22,9 @@ text over max_seq_length tokens when truncation is off) gets its own INVALID_ARG
 Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default, cuts long
 texts at max_seq_length as sentence-transformers does; ``error`` rejects them), ``ADMISSION_MODEL`` (the encoder
 model whose load is read; empty = no admission control). Request parameters: ``truncate`` (true/false) overrides
-``TRUNCATION``; ``latency_budget_ms`` overrides the encoder's budget (0 = never refuse).
+``TRUNCATION``; ``latency_budget_ms`` overrides the encoder's budget (0 = never refuse); ``sent_ns`` (the client's
+send, ``time.time_ns()``) makes the budget count the time the request took to get here too, beyond the
+``SEND_ALLOWANCE_MS`` it leaves for that.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import triton_python_backend_utils as pb_utils
 from admission import Backlog, cost_of
 from loadboard import LoadReader
 from metric_lifetime import keep
-from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters
+from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, late_arrival_ms, sent_age_ms
 from target import share_of
 from tokenizers import Tokenizer
 
@@ -172,6 +174,7 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         """Tokenise all requests' texts in one call; one response per request, in order."""
         arrival_ns = time.monotonic_ns()  # + request index: one unique, ordered stamp per request
+        wall_ns = time.time_ns()  # the clock of the request parameter sent_ns
         texts_per_request: list[list[str] | None] = []
         errors: dict[int, str] = {}
         for i, request in enumerate(requests):
@@ -205,7 +208,7 @@ class TritonPythonModel:
                         f"input '{INPUT}' row {long} has more than {self.max_tokens} tokens (the model's "
                         "max_seq_length) and truncation is off for this request"
                     )
-        refusals = self._admit(requests, per_request, errors, arrival_ns)
+        refusals = self._admit(requests, per_request, errors, arrival_ns, wall_ns)
         responses = []
         for i, encs in enumerate(per_request):
             if i in errors:
@@ -225,12 +228,16 @@ class TritonPythonModel:
         self._transit_ms += TRANSIT_ALPHA * (took_ms + ENSEMBLE_HOP_MS - self._transit_ms)
         return responses
 
-    def _admit(self, requests: list, per_request: list, errors: dict[int, str], arrival_ns: int) -> dict[int, str]:
+    def _admit(
+        self, requests: list, per_request: list, errors: dict[int, str], arrival_ns: int, wall_ns: int
+    ) -> dict[int, str]:
         """Admission control: ``{request index: UNAVAILABLE message}`` for requests refused (see the module doc).
 
-        Requests already in ``errors`` are skipped, and so are those that do not ask for ``arrival_ns`` (direct
-        callers of this model; the ensemble asks for it); a bad ``latency_budget_ms`` parameter is added to
-        ``errors`` (INVALID_ARG). Without a published encoder load nothing is refused.
+        Requests already in ``errors`` are skipped, and so are those that do not ask for ``arrival_ns`` (direct callers
+        of this model; the ensemble asks for it); a bad ``latency_budget_ms`` or ``sent_ns`` parameter is added to
+        ``errors`` (INVALID_ARG). A request with ``sent_ns`` (the client's send; ``wall_ns`` is now on the same clock)
+        has its budget cut by how late it arrived (``shedding.late_arrival_ms``). Without a published encoder load
+        nothing is refused.
         """
         if self.loads is None:
             return {}
@@ -247,15 +254,16 @@ class TritonPythonModel:
                 continue  # a direct caller of this model, not the ensemble: nothing goes on to the encoder
             try:
                 budget = budget_from_parameters(requests[i].parameters(), latest.budget_ms)
+                waited = late_arrival_ms(sent_age_ms(requests[i].parameters(), wall_ns))
             except BudgetError as exc:
                 errors[i] = str(exc)
                 continue
             rows, width = len(encs), max(len(e.ids) for e in encs)
-            refusal = plan.judge(rows, width, budget, share)
+            refusal = plan.judge(rows, width, budget, share, waited_ms=waited)
             if refusal is not None:
                 refusals[i] = refusal.message()
             else:
-                self.backlog.admit(plan, arrival_ns + i, rows, width, budget)
+                self.backlog.admit(plan, arrival_ns + i, rows, width, budget, waited_ms=waited)
         if refusals:
             self._shed_metric.increment(len(refusals))
             self._refused_ns = arrival_ns

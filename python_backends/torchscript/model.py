@@ -10,12 +10,13 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 and the rows are split back per request.
 
 Load shedding (``common/shedding.py``): the tokenizer stamps each request with ``arrival_ns`` (``time.monotonic_ns()``,
-one clock for all processes on the host). Requests whose wait since then plus the estimated execution time exceeds
-``LATENCY_BUDGET_MS`` (config parameter; 0 = off) are answered UNAVAILABLE at once, oldest first, instead of being
-computed late; counted in ``triton_embed_shed_requests_total``. At the start and end of every execution the instance
-publishes its load (``common/loadboard.py``: when the running execution began and its typical duration, the newest
-stamp it has taken, when a request last ran late, its cost model and budget) so that the tokenizer refuses at once
-the requests that could not finish in time (``common/admission.py``); the shedding here is the second line, for
+one clock for all processes on the host; a request with the parameter ``sent_ns``, the client's send on the host's wall
+clock, also counts how late it got there: ``shedding.late_arrival_ms``). Requests whose wait plus the estimated
+execution time exceeds ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) are answered UNAVAILABLE at once, oldest first,
+instead of being computed late; counted in ``triton_embed_shed_requests_total``. At the start and end of every execution
+the instance publishes its load (``common/loadboard.py``: when the running execution began and its typical duration, the
+newest stamp it has taken, when a request last ran late, its cost model and budget) so that the tokenizer refuses at
+once the requests that could not finish in time (``common/admission.py``); the shedding here is the second line, for
 requests judged on their real wait.
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
@@ -50,7 +51,16 @@ from cost import CostModel
 from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
 from metric_lifetime import keep
 from runners import BucketedRunner
-from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, choose_shed, overloaded
+from shedding import (
+    SHED_METRIC,
+    SHED_METRIC_HELP,
+    BudgetError,
+    budget_from_parameters,
+    choose_shed,
+    late_arrival_ms,
+    overloaded,
+    sent_age_ms,
+)
 from target import AdmissionTarget, idle
 
 INPUTS = ("input_ids", "attention_mask")
@@ -248,24 +258,27 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         """Validate each request, shed late ones, run the rest as one padded batch; one response per request."""
-        now_ns = time.monotonic_ns()
+        now_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # wall: the clock of the request parameter sent_ns
         if idle(self._newest_started_ns, now_ns):
             self.target.woke()  # a busy period begins: the cost model was taught by another load
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
         budgets: list[float] = []
+        before: list[float] = []  # per request, how late it reached the tokenizer, ms (by sent_ns; else 0)
         stamps = [arrival_stamp(request) for request in requests]
         self._newest_started_ns = max([self._newest_started_ns, *(s for s in stamps if s is not None)])
         for i, request in enumerate(requests):
             try:
                 budget = budget_from_parameters(request.parameters(), self.latency_budget_ms)
+                age = sent_age_ms(request.parameters(), wall_ns)
                 piece = read_request(request, self.max_seq_length, self.vocab_size)
             except (RequestError, BudgetError) as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                budget, piece = 0.0, None
+                budget, age, piece = 0.0, 0.0, None
             budgets.append(budget)
+            before.append(0.0 if stamps[i] is None else late_arrival_ms(age - (now_ns - stamps[i]) / 1e6))
             pieces.append(piece)
-        late = any(budgets) and self._shed_late(pieces, errors, now_ns, stamps, budgets) > 0
+        late = any(budgets) and self._shed_late(pieces, errors, now_ns, stamps, budgets, before=before) > 0
 
         valid = [p for p in pieces if p is not None]
         embeddings = None
@@ -282,8 +295,8 @@ class TritonPythonModel:
                 )
         end_ns = time.monotonic_ns()
         if any(  # any request that ran late here tells the tokenizer to admit cautiously (admission.cost_of)
-            piece is not None and stamp is not None and 0 < budget < (end_ns - stamp) / 1e6
-            for piece, stamp, budget in zip(pieces, stamps, budgets, strict=True)
+            piece is not None and stamp is not None and 0 < budget < (end_ns - stamp) / 1e6 + pre
+            for piece, stamp, budget, pre in zip(pieces, stamps, budgets, before, strict=True)
         ):
             self._late_ns, late = end_ns, True
         if any(budget and stamp for budget, stamp in zip(budgets, stamps, strict=True)):
@@ -303,18 +316,26 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
         return responses
 
-    def _shed_late(self, pieces: list, errors: dict, now_ns: int, stamps: list, budgets: list[float]) -> int:
-        """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place); returns how many."""
+    def _shed_late(
+        self, pieces: list, errors: dict, now_ns: int, stamps: list, budgets: list[float], *, before: list[float]
+    ) -> int:
+        """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place); returns how many.
+
+        A request's wait is the time since the tokenizer stamped it plus ``before`` (how late it got there from the
+        client's send, by ``sent_ns``: ``shedding.late_arrival_ms``).
+        """
         live = [i for i, p in enumerate(pieces) if p is not None]
-        waited = [None if stamps[i] is None else (now_ns - stamps[i]) / 1e6 for i in live]
+        waited = [None if stamps[i] is None else (now_ns - stamps[i]) / 1e6 + before[i] for i in live]
         rows = [pieces[i][0].shape[0] for i in live]
         widths = [last_real_column(pieces[i][1]) + 1 for i in live]
         shed = choose_shed(waited, rows, widths, self.cost, [budgets[i] for i in live])
         estimate = self.cost.estimate_ms(sum(rows), max(widths)) if shed else 0.0
         for k in shed:
             i = live[k]
+            sent = f" ({before[i]:.0f} ms of it late in reaching the tokenizer, by sent_ns)" if before[i] >= 0.5 else ""
             cause = (
-                f"the request waited {waited[k]:.0f} ms before the encoder and its batch needs ~{estimate:.0f} ms, over"
+                f"the request waited {waited[k]:.0f} ms before the encoder{sent} and its batch needs "
+                f"~{estimate:.0f} ms, over"
             )
             errors[i] = pb_utils.TritonError(overloaded(cause, budgets[i]), pb_utils.TritonError.UNAVAILABLE)
             pieces[i] = None

@@ -196,3 +196,30 @@ def test_requests_an_idle_encoder_never_took_are_forgotten():
     assert len(backlog) == 1
     backlog.plan([load()], COST, NOW + int(LOST_AFTER_MS * MS) + 1)
     assert len(backlog) == 0
+
+
+def test_the_wait_before_the_tokenizer_counts_against_the_budget():
+    # sent_ns: the request reached the tokenizer 60 ms later than the budget allows for; with 100 + 2 ms ahead of its
+    # end that is 162 ms.
+    plan = Backlog().plan([load(busy_ms=100)], COST, NOW)
+    assert plan.judge(1, 20, 180, waited_ms=60) is None  # 162 ms <= 180 ms
+    refusal = plan.judge(1, 20, 180, waited_ms=90)  # 192 ms > 180 ms; without the wait 102 ms would pass
+    assert plan.judge(1, 20, 180) is None
+    assert refusal is not None and not refusal.delays_earlier
+    assert refusal.message().startswith(
+        "overloaded: the request reached the tokenizer ~100 ms after it was sent (sent_ns), ~90 ms more than the 10 ms "
+        "the budget leaves for that, and the encoder has ~100 ms of work before this request's batch, which would run "
+        "~2 ms with it: it would end in ~192 ms with that wait, past the 180 ms latency budget"
+    )
+
+
+def test_an_admitted_requests_deadline_counts_from_its_send():
+    # Admitted 70 ms late (past the allowance for the way in): its deadline is 110 ms after its stamp. A newcomer
+    # whose own budget holds is refused when their batch would end past that.
+    backlog = Backlog()
+    plan = backlog.plan([load(busy_ms=95)], COST, NOW)
+    backlog.admit(plan, NOW, rows=1, width=20, budget_ms=180, waited_ms=70)
+    assert plan.deadlines_ns == [NOW + 110 * MS]
+    refusal = plan.judge(4, 40, 180)  # 95 + 5 x 40 x 0.1 = 115 ms > 110 ms
+    assert refusal is not None and refusal.delays_earlier
+    assert plan.judge(2, 40, 180) is None  # 95 + 12 = 107 ms

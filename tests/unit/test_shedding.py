@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "common"))
 
-from shedding import CostModel, choose_shed  # noqa: E402
+from shedding import SEND_ALLOWANCE_MS, BudgetError, CostModel, choose_shed, late_arrival_ms, sent_age_ms  # noqa: E402
 
 COST = CostModel(ms_per_token=0.1, margin=1.0)  # 64 rows x 16 tokens ~ 102 ms, roughly MiniLM on 2 CPU cores
 
@@ -81,3 +82,22 @@ def test_per_request_budgets_a_zero_one_is_never_shed():
     waited, rows, widths = [400.0, 400.0, 400.0], [1, 1, 1], [16, 16, 16]
     assert choose_shed(waited, rows, widths, COST, budget_ms=[150, 0, 1000]) == {0}
     assert choose_shed(waited, rows, widths, COST, budget_ms=[0, 0, 0]) == set()
+
+
+def test_the_send_stamp_gives_the_requests_age_and_a_clock_ahead_counts_as_none():
+    now = 1_790_000_000_000_000_000
+    assert sent_age_ms(json.dumps({"sent_ns": now - 75_500_000}), now) == pytest.approx(75.5)
+    assert sent_age_ms(json.dumps({"sent_ns": now + 3_000_000_000}), now) == 0.0  # the client's clock is ahead
+    assert sent_age_ms('{"latency_budget_ms": 50}', now) == 0.0
+    assert sent_age_ms(None, now) == 0.0
+    # The budget already leaves room for the way in: only the wait beyond it counts.
+    assert late_arrival_ms(75.5) == pytest.approx(75.5 - SEND_ALLOWANCE_MS)
+    assert late_arrival_ms(SEND_ALLOWANCE_MS / 2) == 0.0
+
+
+@pytest.mark.parametrize("value", ['"soon"', "-1", "1.5e18", "true"])
+def test_a_bad_send_stamp_names_the_parameter_and_the_value(value):
+    with pytest.raises(BudgetError) as caught:
+        sent_age_ms(f'{{"sent_ns": {value}}}', 10**18)
+    assert "request parameter 'sent_ns' must be a whole number of ns since the Unix epoch" in str(caught.value)
+    assert str(caught.value).endswith(f"got {json.loads(value)!r}")
