@@ -51,12 +51,16 @@ class Answer:
     started_s: float
 
 
-async def burst(url: str, texts: list[str], clients: int, seconds: float, timeout_s: float) -> list[Answer]:
+async def burst(
+    url: str, texts: list[str], clients: int, seconds: float, timeout_s: float, *, send_time: bool = False
+) -> list[Answer]:
     """``clients`` concurrent single-sentence gRPC loops for ``seconds``.
 
     A client whose request was shed backs off exponentially (``triton_embed.transport.backoff``: 0.1 s doubling,
     capped at 2 s), as the library's retries do. Texts are taken round-robin with a per-client offset, each with the
-    request's number appended: every request is new work (the response cache, when on, never answers one).
+    request's number appended: every request is new work (the response cache, when on, never answers one). With
+    ``send_time`` each request carries the request parameter ``sent_ns`` (``time.time_ns()`` as it is sent), as
+    ``triton_embed`` does with ``send_time=True``, so the server's budget counts the wait before its tokenizer.
 
     Returns:
         one :class:`Answer` per request; ``hung`` when no answer came within ``timeout_s + 5`` s.
@@ -77,8 +81,10 @@ async def burst(url: str, texts: list[str], clients: int, seconds: float, timeou
             tensor.set_data_from_numpy(text_tensor([f"{texts[n % len(texts)]} {n}"]))
             n += clients
             start = time.perf_counter()
+            parameters = {"sent_ns": time.time_ns()} if send_time else None
             try:
-                await asyncio.wait_for(client.infer("embed", [tensor], client_timeout=timeout_s), timeout_s + 5)
+                call = client.infer("embed", [tensor], client_timeout=timeout_s, parameters=parameters)
+                await asyncio.wait_for(call, timeout_s + 5)
                 results.append(Answer("ok", (time.perf_counter() - start) * 1000, "", start - began))
                 shed_in_a_row = 0
             except InferenceServerException as exc:
@@ -156,8 +162,11 @@ def summarize(answers: list[Answer], seconds: float) -> BurstSummary:
     )
 
 
-def run_budget(budget: float, texts: list[str], clients: int, seconds: float) -> str:
-    """Start a server with ``LATENCY_BUDGET_MS`` = ``budget``, burst it, return the markdown row."""
+def run_budget(budget: float, texts: list[str], clients: int, seconds: float, *, send_time: bool = False) -> str:
+    """Start a server with ``LATENCY_BUDGET_MS`` = ``budget``, burst it, return the markdown row.
+
+    ``send_time``: the clients send ``sent_ns`` (see :func:`burst`).
+    """
     from triton_embed_server.embedded import EmbeddedServer
 
     from bench.run import variant_repository
@@ -166,10 +175,13 @@ def run_budget(budget: float, texts: list[str], clients: int, seconds: float) ->
         repo = variant_repository(Path(tmp) / "repo", None, latency_budget_ms=budget)
         log = Path(tmp) / "tritonserver.log"
         with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
-            results = asyncio.run(burst(srv.grpc_url, texts, clients=clients, seconds=seconds, timeout_s=10.0))
+            results = asyncio.run(
+                burst(srv.grpc_url, texts, clients=clients, seconds=seconds, timeout_s=10.0, send_time=send_time)
+            )
     s = summarize(results, seconds)
     return (
-        f"| {budget:g} | {s.ok_per_s:.0f} | {s.shed} | {s.other} | {s.p50_ms:.0f} / {s.p99_ms:.0f} ms "
+        f"| {budget:g} | {'yes' if send_time else 'no'} "
+        f"| {s.ok_per_s:.0f} | {s.shed} | {s.other} | {s.p50_ms:.0f} / {s.p99_ms:.0f} ms "
         f"| {s.p99_after_onset_ms:.0f} ms | {s.seconds_within(SLA_MS)}/{len(s.window_p99_ms)} "
         f"| {s.over_sla} ({s.over_sla_in_onset}) | {s.shed_p50_ms:.0f} ms |"
     )
@@ -183,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=192)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--budgets", default="0,120,180", help="LATENCY_BUDGET_MS values, ms (0 = no shedding)")
+    parser.add_argument(
+        "--sent-ns",
+        default="no",
+        help="send the request parameter sent_ns, as triton_embed's send_time=True does (yes, no: the client's "
+        "default, or both: one burst each, alternated per budget)",
+    )
     args = parser.parse_args(argv)
     dev = STS_DIR / "sts-dev.csv"
     if not dev.is_file():
@@ -190,13 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     texts = [cols[5] for cols in sts_rows(dev)]
     print(f"{args.clients} clients, {args.seconds:g} s, single STS-B dev sentences over gRPC")
     print(
-        "| LATENCY_BUDGET_MS | answered ok/s | shed | other errors | accepted p50 / p99 "
+        "| LATENCY_BUDGET_MS | sent_ns | answered ok/s | shed | other errors | accepted p50 / p99 "
         f"| accepted p99 after {ONSET_S:g} s | seconds with p99 <= {SLA_MS:g} ms "
         f"| accepted over {SLA_MS:g} ms (in the first {ONSET_S:g} s) | shed p50 |"
     )
-    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    modes = {"yes": (True,), "no": (False,), "both": (True, False)}.get(args.sent_ns)
+    if modes is None:
+        parser.error(f"--sent-ns must be yes, no or both; got {args.sent_ns!r}")
     for budget in (float(b) for b in args.budgets.split(",")):
-        print(run_budget(budget, texts, args.clients, args.seconds), flush=True)
+        for send_time in modes:
+            print(run_budget(budget, texts, args.clients, args.seconds, send_time=send_time), flush=True)
     return 0
 
 

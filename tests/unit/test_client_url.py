@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from triton_embed import EmbeddingClient
@@ -98,3 +99,15 @@ def test_the_callers_headers_dict_is_never_changed():
     client = EmbeddingClient(protocol="http", headers=headers)
     client.settings.headers["added-by-tritonclient"] = "1"  # what tritonclient's HTTP client does to the dict
     assert headers == {"triton-embed-admin-key": "k"}
+
+
+def test_the_send_time_goes_only_when_asked_for():
+    def sent(**kwargs) -> dict:
+        return EmbeddingClient(**kwargs)._builder.infer_kwargs().get("parameters", {})
+
+    assert "sent_ns" not in sent(url="127.0.0.1:8001")
+    before = time.time_ns()
+    stamp = sent(url="grpc://localhost:8001", send_time=True)["sent_ns"]
+    assert before <= stamp <= time.time_ns()
+    with pytest.raises(ValueError, match="send_time must be True or False; got None"):
+        EmbeddingClient(url=":8001", send_time=None)
