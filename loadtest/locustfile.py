@@ -38,6 +38,12 @@ def add_options(parser) -> None:
     group.add_argument("--model", default="embed", help="the ensemble to call")
     group.add_argument("--corpus", default=None, help="text file, one text per line (default: STS-B train+dev)")
     group.add_argument("--request-timeout-s", type=float, default=10.0, help="per-request timeout, seconds")
+    group.add_argument(
+        "--send-time",
+        action="store_true",
+        help="send each request's send time (sent_ns, EmbeddingClient(send_time=True)): the server's budget counts "
+        "the wait before its tokenizer",
+    )
     group.add_argument("--sla-ms", type=float, default=200.0, help="p99 latency limit, ms (the SLA)")
     group.add_argument("--sla-p95-ms", type=float, default=None, help="p95 latency limit, ms (default: --sla-ms)")
     group.add_argument("--max-fail-ratio", type=float, default=0.001, help="failed/all requests limit (0.001=0.1%%)")

@@ -144,7 +144,8 @@ def _markdown(report: dict) -> str:
         f"**{gate['line']}**",
         "",
         f"Target {run['target']}; users {run['users']} ({', '.join(run['user_classes'])}), spawn rate "
-        f"{run['spawn_rate']}/s, warm-up {run['warmup_s']:g} s after the last user started; corpus {run['corpus']}.",
+        f"{run['spawn_rate']}/s, warm-up {run['warmup_s']:g} s after the last user started; corpus {run['corpus']}"
+        f"{'; requests carry their send time (sent_ns)' if run.get('send_time') else ''}.",
         "",
         "## Requests in the window",
         "",

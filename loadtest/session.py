@@ -144,6 +144,7 @@ class LoadRun:
             "warmup_s": o.warmup_s,
             "user_classes": self.user_classes or [c.__name__ for c in self.env.user_classes],
             "corpus": f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts)",
+            "send_time": o.send_time,
         }
         data = report.build(
             run=run,

@@ -127,12 +127,16 @@ def slow_encoder_server(tmp_path_factory):
 
 
 def test_slow_encoder_fails_the_gate_and_is_blamed(slow_encoder_server, tmp_path):
-    done, report, _ = locust(slow_encoder_server, tmp_path, "GrpcUser", "--min-requests", "20", seconds=12)
+    # --send-time: the requests carry sent_ns; with the budget off (0) it changes nothing here but the report's header
+    args = ("GrpcUser", "--min-requests", "20", "--send-time")
+    done, report, _ = locust(slow_encoder_server, tmp_path, *args, seconds=12)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SLA FAIL: p99" in done.stdout
     assert report["culprit"]["name"] == "encoder queue"
     assert report["culprit"]["ms"] > 200
     assert "Largest stage: encoder queue" in done.stdout
+    assert report["run"]["send_time"] is True and not report["errors"]
+    assert "requests carry their send time (sent_ns)." in (tmp_path / "report.md").read_text()
 
 
 def test_missing_corpus_file_is_a_one_line_error(server, tmp_path):
