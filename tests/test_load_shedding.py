@@ -6,9 +6,11 @@ count the time a request took to reach the server when it says when it was sent 
 from __future__ import annotations
 
 import re
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,9 @@ from triton_embed_server.embedded import EmbeddedServer
 from tritonclient.utils import InferenceServerException
 
 from bench.run import variant_repository
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends" / "common"))
+from loadboard import LoadReader  # noqa: E402  (the encoder's published load, as the tokenizer reads it)
 
 QUEUE_DELAY_US = 400_000  # every lone request waits this long for a batch: over the 180 ms budget
 
@@ -138,3 +143,21 @@ def test_a_bad_send_stamp_is_invalid_input(server, protocol):
     assert str(caught.value.status()) in ("StatusCode.INVALID_ARGUMENT", "400")
     assert "request parameter 'sent_ns' must be a whole number of ns since the Unix epoch" in caught.value.message()
     assert "got 'yesterday'" in caught.value.message()
+
+
+def test_a_late_arrival_alone_does_not_make_admission_cautious_for_other_clients(server):
+    # A client whose clock runs behind the server's looks late. Its own requests are shed, but the encoder must not
+    # publish that as lateness (late_ns), which would make the tokenizer admit everyone with the 1.4x margin.
+    board = LoadReader(server.pid, "encoder")
+    late_ns = max(load.late_ns for load in board.read(time.monotonic_ns()))
+    with pytest.raises(InferenceServerException, match="late in reaching the tokenizer"):
+        embed_sent(server, "grpc", time.time_ns() - 10**10)
+    assert max(load.late_ns for load in board.read(time.monotonic_ns())) == late_ns
+
+
+@pytest.mark.parametrize("unit", [10**6, 10**9])
+def test_a_send_stamp_in_ms_or_s_is_invalid_input_not_overload(server, unit):
+    with pytest.raises(InferenceServerException) as caught:
+        embed_sent(server, "grpc", time.time_ns() // unit)
+    assert str(caught.value.status()) == "StatusCode.INVALID_ARGUMENT"  # not UNAVAILABLE: retrying cannot help
+    assert "check that it is ns since the Unix epoch (time.time_ns(), not ms or s)" in caught.value.message()

@@ -146,7 +146,9 @@ def sent_age_ms(parameters: str | None, wall_now_ns: int) -> float:
         wall_now_ns: now, ns since the Unix epoch (``time.time_ns()``).
 
     Raises:
-        BudgetError: ``sent_ns`` is present but not a whole number >= 0; the message names it and the value.
+        BudgetError: ``sent_ns`` is present but not a whole number >= 0, or more than :data:`MAX_BUDGET_MS` before
+            now (a stamp in ms or s rather than ns, or a clock far behind: counted, it would refuse the request as
+            overloaded, and the client would retry it); the message names it and the value.
     """
     value = _parameters(parameters).get(SENT_PARAMETER)
     if value is None:
@@ -156,7 +158,14 @@ def sent_age_ms(parameters: str | None, wall_now_ns: int) -> float:
             f"request parameter '{SENT_PARAMETER}' must be a whole number of ns since the Unix epoch (time.time_ns()) "
             f"when the client sent the request; got {value!r}"
         )
-    return max(0.0, (wall_now_ns - value) / 1e6)
+    age_ms = (wall_now_ns - value) / 1e6
+    if age_ms > MAX_BUDGET_MS:
+        raise BudgetError(
+            f"request parameter '{SENT_PARAMETER}' is {age_ms / 1000:.0f} s before the server's clock, more than the "
+            f"{MAX_BUDGET_MS / 1000:.0f} s a latency budget may span: check that it is ns since the Unix epoch "
+            f"(time.time_ns(), not ms or s) and the client's clock; got {value!r}"
+        )
+    return max(0.0, age_ms)
 
 
 def budget_from_parameters(parameters: str | None, default_ms: float) -> float:

@@ -260,11 +260,14 @@ class TritonPythonModel:
                 continue
             rows, width = len(encs), max(len(e.ids) for e in encs)
             refusal = plan.judge(rows, width, budget, share, waited_ms=waited)
-            if refusal is not None:
-                refusals[i] = refusal.message()
-            else:
-                self.backlog.admit(plan, arrival_ns + i, rows, width, budget, waited_ms=waited)
+            if refusal is None:
+                self.backlog.admit(plan, arrival_ns + i, rows, width, budget)
+                continue
+            refusals[i] = refusal.message()
+            # Only a refusal the queue causes makes admission cautious for everyone (admission.cost_of); one that
+            # the client's late arrival alone causes (a clock behind ours, its own stalls) must not.
+            if not waited or plan.judge(rows, width, budget, share) is not None:
+                self._refused_ns = arrival_ns
         if refusals:
             self._shed_metric.increment(len(refusals))
-            self._refused_ns = arrival_ns
         return refusals

@@ -101,3 +101,11 @@ def test_a_bad_send_stamp_names_the_parameter_and_the_value(value):
         sent_age_ms(f'{{"sent_ns": {value}}}', 10**18)
     assert "request parameter 'sent_ns' must be a whole number of ns since the Unix epoch" in str(caught.value)
     assert str(caught.value).endswith(f"got {json.loads(value)!r}")
+
+
+def test_a_send_stamp_older_than_the_longest_budget_is_rejected_as_a_wrong_unit_or_clock():
+    now = 1_790_000_000_000_000_000
+    assert sent_age_ms(json.dumps({"sent_ns": now - 3_599 * 10**9}), now) == pytest.approx(3_599_000.0)
+    for stamp in (now // 10**6, now // 10**9, 0):  # ms, s, or no clock at all: decades "old"
+        with pytest.raises(BudgetError, match=r"s before the server's clock, more than the 3600 s"):
+            sent_age_ms(json.dumps({"sent_ns": stamp}), now)
