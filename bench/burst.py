@@ -191,15 +191,32 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: one server and one burst per budget; prints a markdown table."""
     from loadtest.corpus import STS_DIR, sts_rows
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=192)
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--budgets", default="0,120,180", help="LATENCY_BUDGET_MS values, ms (0 = no shedding)")
+    def budgets(text: str) -> list[float]:
+        try:
+            values = [float(b) for b in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated ms, e.g. 0,120,180; got {text!r}") from None
+        if any(not 0 <= v <= 3_600_000 for v in values):
+            raise argparse.ArgumentTypeError(f"each budget must be from 0 to 3600000 ms; got {text!r}")
+        return values
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--clients", type=int, default=192, help="concurrent closed-loop gRPC clients")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each burst")
+    parser.add_argument(
+        "--budgets",
+        type=budgets,
+        default="0,120,180",
+        help="LATENCY_BUDGET_MS values, ms (0 = no shedding): one server and one burst each",
+    )
     parser.add_argument(
         "--sent-ns",
+        choices=("no", "yes", "both"),
         default="no",
-        help="send the request parameter sent_ns, as triton_embed's send_time=True does (yes, no: the client's "
-        "default, or both: one burst each, alternated per budget)",
+        help="send the request parameter sent_ns, as triton_embed does with send_time=True (off by default); "
+        "both = one burst each way per budget, alternated",
     )
     args = parser.parse_args(argv)
     dev = STS_DIR / "sts-dev.csv"
@@ -213,10 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         f"| accepted over {SLA_MS:g} ms (in the first {ONSET_S:g} s) | shed p50 |"
     )
     print("| ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-    modes = {"yes": (True,), "no": (False,), "both": (True, False)}.get(args.sent_ns)
-    if modes is None:
-        parser.error(f"--sent-ns must be yes, no or both; got {args.sent_ns!r}")
-    for budget in (float(b) for b in args.budgets.split(",")):
+    modes = {"yes": (True,), "no": (False,), "both": (True, False)}[args.sent_ns]
+    for budget in args.budgets:
         for send_time in modes:
             print(run_budget(budget, texts, args.clients, args.seconds, send_time=send_time), flush=True)
     return 0

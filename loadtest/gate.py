@@ -32,6 +32,11 @@ class Sample:
     error: str = ""
 
 
+MAX_ERROR_CHARS = 1000
+"""Longest error message kept per failed request, characters: the server's overload messages run to ~550 and end
+with the knobs to turn (300 cut them mid-word, a new user's trial)."""
+
+
 class Recorder:
     """Keeps every request Locust reports; register :meth:`on_request` on ``events.request``."""
 
@@ -41,7 +46,7 @@ class Recorder:
     def on_request(self, request_type: str, name: str, response_time: float, exception=None, **_) -> None:
         """Locust ``request`` listener: ``response_time`` in ms; ``exception`` set when the request failed."""
         start_s = time.time() - response_time / 1000.0
-        error = f"{type(exception).__name__}: {exception}"[:300] if exception is not None else ""
+        error = f"{type(exception).__name__}: {exception}"[:MAX_ERROR_CHARS] if exception is not None else ""
         self.samples.append(Sample(start_s, response_time, name, request_type, exception is not None, error))
 
 

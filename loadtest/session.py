@@ -170,6 +170,8 @@ class LoadRun:
                 f"Warning: {100 * hits:.0f}% of the requests were response-cache hits (repeated texts), which flatters "
                 "the figures: restart the server or use a larger --corpus to measure the model"
             )
+        if o.send_time:
+            self.summary.append("Requests carried their send time (--send-time: sent_ns)")
         self.summary.append(f"Report: {self.folder / 'report.md'}")
         print("\n".join(self.summary), flush=True)
 

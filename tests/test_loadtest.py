@@ -137,6 +137,7 @@ def test_slow_encoder_fails_the_gate_and_is_blamed(slow_encoder_server, tmp_path
     assert "Largest stage: encoder queue" in done.stdout
     assert report["run"]["send_time"] is True and not report["errors"]
     assert "requests carry their send time (sent_ns)." in (tmp_path / "report.md").read_text()
+    assert "Requests carried their send time (--send-time: sent_ns)" in done.stdout
 
 
 def test_missing_corpus_file_is_a_one_line_error(server, tmp_path):

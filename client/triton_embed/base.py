@@ -69,7 +69,7 @@ class ClientBase:
                 Off by default: in closed loops at moderate load it refused somewhat more (docs/benchmarks.md).
                 Only where the server's wall clock agrees with this host's to a few ms (the same host, a
                 container on it, or synchronised clocks): a server clock ahead of ours makes every request look
-                older by as much.
+                older by as much (only this client's requests pay for it); one behind counts as no wait.
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
