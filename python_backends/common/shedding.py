@@ -98,7 +98,7 @@ class BudgetError(ValueError):
     """A request parameter of the latency budget is invalid.
 
     ``latency_budget_ms`` is not a number of ms from 0 to :data:`MAX_BUDGET_MS`, or ``sent_ns`` is not a whole
-    number of ns >= 0.
+    number of ns >= 0 or is more than :data:`MAX_BUDGET_MS` old.
     """
 
 
