@@ -67,6 +67,19 @@ def test_failures_are_listed_by_message(tmp_path):
     assert "| grpc | embed x1 | 3 | ServerUnavailableError: overloaded |" in report._markdown(data)
 
 
+def test_failures_that_differ_only_in_their_numbers_are_one_kind():
+    def refused(ms: int, share: int) -> Sample:
+        message = f"ServerUnavailableError: it would end in ~{ms} ms, past {share * 1.8:.0f} ms, the {share}% share"
+        return Sample(101.0, 5.0, "embed x1", "grpc", True, message)
+
+    late = Sample(101.0, 5.0, "embed x1", "grpc", True, "ServerUnavailableError: waited 170 ms before the encoder")
+    kinds = report.errors([refused(63, 25), refused(104, 32), refused(77, 42), late, refused(55, 28)])
+    assert [(k["count"], k["error"]) for k in kinds] == [
+        (4, "ServerUnavailableError: it would end in ~63 ms, past 45 ms, the 25% share"),
+        (1, "ServerUnavailableError: waited 170 ms before the encoder"),
+    ]
+
+
 def test_cache_hits_are_called_out():
     steps = {"embed": step("embed", 200, 50), "tokenizer": step("tokenizer", 150), "encoder": step("encoder", 150)}
     text = report._markdown(make(steps))
