@@ -102,8 +102,11 @@ class BudgetError(ValueError):
     """
 
 
-def _parameters(parameters: str | None) -> dict:
-    """The request's parameters (JSON text from ``request.parameters()``) as a dict; {} when absent or unreadable."""
+def request_parameters(parameters: str | None) -> dict:
+    """The request's parameters (JSON text from ``request.parameters()``) as a dict; {} when absent or unreadable.
+
+    Parse them once per request and pass the dict to :func:`budget_from_parameters` and :func:`sent_age_ms`.
+    """
     try:
         value = json.loads(parameters or "{}")
     except ValueError:
@@ -134,7 +137,7 @@ def late_arrival_ms(before_stamp_ms: float) -> float:
     return max(0.0, before_stamp_ms - SEND_ALLOWANCE_MS)
 
 
-def sent_age_ms(parameters: str | None, wall_now_ns: int) -> float:
+def sent_age_ms(parameters: dict, wall_now_ns: int) -> float:
     """How long ago the client sent the request by its ``sent_ns`` parameter, ms; 0 when it has none.
 
     A stamp in the future (a clock ahead of this host's) counts as 0: such a clock cannot be corrected here, and a
@@ -142,7 +145,7 @@ def sent_age_ms(parameters: str | None, wall_now_ns: int) -> float:
     clock agrees with this host's should send it (the same host, or synchronised clocks).
 
     Args:
-        parameters: the request's parameters as JSON text (``request.parameters()``).
+        parameters: the request's parameters (:func:`request_parameters`).
         wall_now_ns: now, ns since the Unix epoch (``time.time_ns()``).
 
     Raises:
@@ -150,7 +153,7 @@ def sent_age_ms(parameters: str | None, wall_now_ns: int) -> float:
             now (a stamp in ms or s rather than ns, or a clock far behind: counted, it would refuse the request as
             overloaded, and the client would retry it); the message names it and the value.
     """
-    value = _parameters(parameters).get(SENT_PARAMETER)
+    value = parameters.get(SENT_PARAMETER)
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -168,18 +171,18 @@ def sent_age_ms(parameters: str | None, wall_now_ns: int) -> float:
     return max(0.0, age_ms)
 
 
-def budget_from_parameters(parameters: str | None, default_ms: float) -> float:
+def budget_from_parameters(parameters: dict, default_ms: float) -> float:
     """The request parameter ``latency_budget_ms`` (ms, >= 0; 0 = never shed this request), else ``default_ms``.
 
     Args:
-        parameters: the request's parameters as JSON text (``request.parameters()`` in Triton's Python backend).
+        parameters: the request's parameters (:func:`request_parameters`).
         default_ms: the model's ``LATENCY_BUDGET_MS``, ms.
 
     Raises:
         BudgetError: the parameter is present but not a number from 0 to :data:`MAX_BUDGET_MS`; the message names
             it, the limits and the value.
     """
-    value = _parameters(parameters).get("latency_budget_ms")
+    value = parameters.get("latency_budget_ms")
     if value is None:
         return default_ms
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:

@@ -53,7 +53,15 @@ import triton_python_backend_utils as pb_utils
 from admission import Backlog, cost_of
 from loadboard import LoadReader
 from metric_lifetime import keep
-from shedding import SHED_METRIC, SHED_METRIC_HELP, BudgetError, budget_from_parameters, late_arrival_ms, sent_age_ms
+from shedding import (
+    SHED_METRIC,
+    SHED_METRIC_HELP,
+    BudgetError,
+    budget_from_parameters,
+    late_arrival_ms,
+    request_parameters,
+    sent_age_ms,
+)
 from target import share_of
 from tokenizers import Tokenizer
 
@@ -157,16 +165,16 @@ class TritonPythonModel:
         self._shed_metric = None
         self._shed_family = None
 
-    def _truncates(self, request) -> bool:
+    def _truncates(self, parameters: dict) -> bool:
         """Truncate this request's long texts? Request parameter ``truncate`` (bool) wins over ``TRUNCATION``.
+
+        Args:
+            parameters: the request's parameters (``shedding.request_parameters``).
 
         Raises:
             RequestError: ``truncate`` is present but not a bool.
         """
-        try:
-            value = json.loads(request.parameters() or "{}").get("truncate")
-        except (ValueError, AttributeError):
-            value = None
+        value = parameters.get("truncate")
         if value is not None and not isinstance(value, bool):
             raise RequestError(f"request parameter 'truncate' must be true or false; got {value!r}")
         return self.truncate == "truncate" if value is None else value
@@ -175,6 +183,7 @@ class TritonPythonModel:
         """Tokenise all requests' texts in one call; one response per request, in order."""
         arrival_ns = time.monotonic_ns()  # + request index: one unique, ordered stamp per request
         wall_ns = time.time_ns()  # the clock of the request parameter sent_ns
+        parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
         errors: dict[int, str] = {}
         for i, request in enumerate(requests):
@@ -197,7 +206,7 @@ class TritonPythonModel:
             if encs is None:
                 continue
             try:
-                truncates = self._truncates(requests[i])
+                truncates = self._truncates(parameters[i])
             except RequestError as exc:
                 errors[i] = str(exc)
                 continue
@@ -208,7 +217,7 @@ class TritonPythonModel:
                         f"input '{INPUT}' row {long} has more than {self.max_tokens} tokens (the model's "
                         "max_seq_length) and truncation is off for this request"
                     )
-        refusals = self._admit(requests, per_request, errors, arrival_ns, wall_ns)
+        refusals = self._admit(requests, per_request, errors, arrival_ns, wall_ns, parameters=parameters)
         responses = []
         for i, encs in enumerate(per_request):
             if i in errors:
@@ -229,7 +238,14 @@ class TritonPythonModel:
         return responses
 
     def _admit(
-        self, requests: list, per_request: list, errors: dict[int, str], arrival_ns: int, wall_ns: int
+        self,
+        requests: list,
+        per_request: list,
+        errors: dict[int, str],
+        arrival_ns: int,
+        wall_ns: int,
+        *,
+        parameters: list[dict],
     ) -> dict[int, str]:
         """Admission control: ``{request index: UNAVAILABLE message}`` for requests refused (see the module doc).
 
@@ -253,8 +269,8 @@ class TritonPythonModel:
             if encs is None or i in errors or ARRIVAL not in requests[i].requested_output_names():
                 continue  # a direct caller of this model, not the ensemble: nothing goes on to the encoder
             try:
-                budget = budget_from_parameters(requests[i].parameters(), latest.budget_ms)
-                waited = late_arrival_ms(sent_age_ms(requests[i].parameters(), wall_ns))
+                budget = budget_from_parameters(parameters[i], latest.budget_ms)
+                waited = late_arrival_ms(sent_age_ms(parameters[i], wall_ns))
             except BudgetError as exc:
                 errors[i] = str(exc)
                 continue

@@ -59,6 +59,7 @@ from shedding import (
     choose_shed,
     late_arrival_ms,
     overloaded,
+    request_parameters,
     sent_age_ms,
 )
 from target import AdmissionTarget, idle
@@ -269,8 +270,9 @@ class TritonPythonModel:
         self._newest_started_ns = max([self._newest_started_ns, *(s for s in stamps if s is not None)])
         for i, request in enumerate(requests):
             try:
-                budget = budget_from_parameters(request.parameters(), self.latency_budget_ms)
-                age = sent_age_ms(request.parameters(), wall_ns)
+                parameters = request_parameters(request.parameters())
+                budget = budget_from_parameters(parameters, self.latency_budget_ms)
+                age = sent_age_ms(parameters, wall_ns)
                 piece = read_request(request, self.max_seq_length, self.vocab_size)
             except (RequestError, BudgetError) as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)

@@ -10,7 +10,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "common"))
 
-from shedding import SEND_ALLOWANCE_MS, BudgetError, CostModel, choose_shed, late_arrival_ms, sent_age_ms  # noqa: E402
+from shedding import (  # noqa: E402
+    SEND_ALLOWANCE_MS,
+    BudgetError,
+    CostModel,
+    choose_shed,
+    late_arrival_ms,
+    request_parameters,
+    sent_age_ms,
+)
 
 COST = CostModel(ms_per_token=0.1, margin=1.0)  # 64 rows x 16 tokens ~ 102 ms, roughly MiniLM on 2 CPU cores
 
@@ -86,10 +94,10 @@ def test_per_request_budgets_a_zero_one_is_never_shed():
 
 def test_the_send_stamp_gives_the_requests_age_and_a_clock_ahead_counts_as_none():
     now = 1_790_000_000_000_000_000
-    assert sent_age_ms(json.dumps({"sent_ns": now - 75_500_000}), now) == pytest.approx(75.5)
-    assert sent_age_ms(json.dumps({"sent_ns": now + 3_000_000_000}), now) == 0.0  # the client's clock is ahead
-    assert sent_age_ms('{"latency_budget_ms": 50}', now) == 0.0
-    assert sent_age_ms(None, now) == 0.0
+    assert sent_age_ms({"sent_ns": now - 75_500_000}, now) == pytest.approx(75.5)
+    assert sent_age_ms({"sent_ns": now + 3_000_000_000}, now) == 0.0  # the client's clock is ahead
+    assert sent_age_ms(request_parameters('{"latency_budget_ms": 50}'), now) == 0.0
+    assert sent_age_ms(request_parameters(None), now) == 0.0
     # The budget already leaves room for the way in: only the wait beyond it counts.
     assert late_arrival_ms(75.5) == pytest.approx(75.5 - SEND_ALLOWANCE_MS)
     assert late_arrival_ms(SEND_ALLOWANCE_MS / 2) == 0.0
@@ -98,14 +106,14 @@ def test_the_send_stamp_gives_the_requests_age_and_a_clock_ahead_counts_as_none(
 @pytest.mark.parametrize("value", ['"soon"', "-1", "1.5e18", "true"])
 def test_a_bad_send_stamp_names_the_parameter_and_the_value(value):
     with pytest.raises(BudgetError) as caught:
-        sent_age_ms(f'{{"sent_ns": {value}}}', 10**18)
+        sent_age_ms(request_parameters(f'{{"sent_ns": {value}}}'), 10**18)
     assert "request parameter 'sent_ns' must be a whole number of ns since the Unix epoch" in str(caught.value)
     assert str(caught.value).endswith(f"got {json.loads(value)!r}")
 
 
 def test_a_send_stamp_older_than_the_longest_budget_is_rejected_as_a_wrong_unit_or_clock():
     now = 1_790_000_000_000_000_000
-    assert sent_age_ms(json.dumps({"sent_ns": now - 3_599 * 10**9}), now) == pytest.approx(3_599_000.0)
+    assert sent_age_ms({"sent_ns": now - 3_599 * 10**9}, now) == pytest.approx(3_599_000.0)
     for stamp in (now // 10**6, now // 10**9, 0):  # ms, s, or no clock at all: decades "old"
         with pytest.raises(BudgetError, match=r"s before the server's clock, more than the 3600 s"):
-            sent_age_ms(json.dumps({"sent_ns": stamp}), now)
+            sent_age_ms({"sent_ns": stamp}, now)
