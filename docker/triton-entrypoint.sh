@@ -14,7 +14,8 @@
 # encoder step has not started ("Server is stopping"), so this script stays in front of tritonserver, and on the
 # signal first unloads the `embed` ensemble (server/triton_embed_server/drain.py: new requests are refused, those
 # in flight finish, for up to TRITON_EMBED_DRAIN_TIMEOUT seconds), then sends tritonserver SIGTERM (`make serve`
-# sends SIGINT; Triton treats both alike) and exits with its status.
+# sends SIGINT; Triton treats both alike) and exits with its status: 0 also when the watchdog had to kill a
+# tritonserver that waited only for a stub that died (Triton 2.51 would wait out its exit timeout, then exit 1).
 #
 # Environment: TRITON_EMBED_ADMIN_KEY (optional), TRITONSERVER (the binary; default: tritonserver on PATH),
 # TRITON_EMBED_WATCH_STUBS (0: no watchdog), TRITON_EMBED_WATCHDOG and TRITON_EMBED_DRAIN (the scripts; default:
@@ -49,6 +50,7 @@ for arg in "$@"; do
 done
 
 server_pid=""
+stopped_stuck=0
 drain_then_stop() {
     trap '' TERM INT  # one drain; tritonserver's own exit timeout bounds the rest
     if [[ -z "$server_pid" ]]; then  # a signal right after the launch, before server_pid was set
@@ -63,6 +65,13 @@ drain_then_stop() {
         echo "triton-embed: no drain script at $drainer: stopping without a drain" >&2
     fi
     kill -TERM "$server_pid" 2>/dev/null || true  # (a background job starts with SIGINT ignored)
+    # Triton 2.51 waits out its exit timeout (and exits 1) for a model instance whose stub died with a request in
+    # it; the watchdog's --finish-stop kills such a server once every live stub has exited (a clean stop).
+    local watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"
+    if [[ "${TRITON_EMBED_WATCH_STUBS:-1}" != 0 && -f "$watchdog" ]] \
+        && python3 "$watchdog" --server-pid "$server_pid" --finish-stop </dev/null; then
+        stopped_stuck=1
+    fi
 }
 trap drain_then_stop TERM INT
 
@@ -91,4 +100,5 @@ while :; do
         break
     fi
 done
+if [[ "$stopped_stuck" == 1 ]]; then status=0; fi  # killed after a clean drain (see drain_then_stop)
 exit "$status"

@@ -206,6 +206,10 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
             time.sleep(0.25)
         server.server_pid = _child_of(server.process.pid, b"tritonserver")
         server.watchdog_pid = _child_of(server.process.pid, b"supervisor.py")
+        # the watchdog polls readiness once a second: a stub killed before it looks would not be watched
+        while server.watchdog_pid and "watching the stubs" not in server.log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the stub watchdog did not start watching:\n{server.log_tail()}"
+            time.sleep(0.1)
         yield server
     finally:
         server.process.send_signal(2)  # SIGINT (Ctrl-C; `docker compose stop` sends SIGTERM): a drain, then a stop

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -189,3 +191,32 @@ def drained_requests(sts_pairs, per_request: int, count: int = 400) -> list[list
     sentences = [" ".join(p.a for p in sts_pairs[i : i + words]) for i in range(count)]
     return [[f"{sentences[(n * per_request + k) % count]} drained {n}.{k}" for k in range(per_request)]
             for n in range(count)]  # fmt: skip
+
+
+def kill_stub_mid_request(grpc_url: str, server_pid: int, model: str = "encoder"):
+    """SIGKILL ``model``'s stub while requests of 32 long texts (~300 tokens each) run through it, as an OOM kill
+    would; return the stats of the retrying client that sent them (``retries >= 1``: a request was in the stub)
+    once every one of its 8 calls has its answer (the stub watchdog has reloaded the model)."""
+    from triton_embed import EmbeddingClient
+    from triton_embed_server.supervisor import stub_processes
+
+    stubs = [pid for pid, name in stub_processes(server_pid).items() if name == model]
+    assert stubs, stub_processes(server_pid)
+    failures: list[BaseException] = []
+
+    def send(client) -> None:
+        try:
+            for i in range(8):
+                client.embed([f"long text {i} {row} " * 60 for row in range(32)])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    with EmbeddingClient(url=grpc_url, retries=30, backoff_s=0.25, latency_budget_ms=0) as client:
+        sender = threading.Thread(target=send, args=(client,))
+        sender.start()
+        time.sleep(0.5)  # the first request has gone through the tokenizer: the encoder runs it for ~1 s
+        os.kill(stubs[0], signal.SIGKILL)
+        sender.join(timeout=120)
+        assert not sender.is_alive(), "the retrying client got no answers within 120 s"
+        assert not failures, failures
+        return client.stats()

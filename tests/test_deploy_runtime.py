@@ -39,7 +39,7 @@ from deploy_helpers import (
     resolved,
     tool,
 )
-from helpers import drained_requests, embed_until_answered, load_across_a_signal, post_status
+from helpers import drained_requests, embed_until_answered, kill_stub_mid_request, load_across_a_signal, post_status
 from triton_embed import EmbeddingClient
 from triton_embed_server.supervisor import process_alive, stub_processes
 
@@ -288,3 +288,19 @@ def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(compose_server, 
     assert compose_server.process.poll() is None and process_alive(server_pid)
     assert compose_server.log.read_text().count(f"model '{model}' reloaded") == reloads_before + 1
     assert stubs[0] not in stub_processes(server_pid) and model in stub_processes(server_pid).values()
+
+
+# After the watchdog tests: it kills the compose server's encoder again, then stops the server.
+def test_compose_stop_after_a_stub_died_with_a_request_in_it_is_quick_and_clean(compose_server):
+    """Triton 2.51 never finishes unloading an instance whose stub died with a request in it, so its own stop waited
+    out the 30 s exit timeout and exited 1 (a failed `docker compose stop`); the entrypoint's watchdog kills it once
+    every live stub has exited, and the entrypoint exits 0."""
+    assert kill_stub_mid_request(compose_server.grpc_url, compose_server.server_pid, "encoder").retries >= 1
+    started = time.monotonic()
+    compose_server.process.send_signal(signal.SIGTERM)  # `docker compose stop`
+    code = compose_server.process.wait(timeout=75)
+    took = time.monotonic() - started
+    log = compose_server.log.read_text(errors="replace")
+    assert "Exit timeout expired" not in log and code == 0, compose_server.log_tail()
+    assert "has unloaded every model but the one whose stub died" in log, compose_server.log_tail()
+    assert took < 20, f"the stop took {took:.0f} s (Triton's exit timeout is 30 s)"

@@ -27,7 +27,7 @@ from pathlib import Path
 from triton_embed_server.drain import DrainError, drain
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
 from triton_embed_server.shm import backend_regions, remove_orphans
-from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, group_members
+from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, finish_stop, group_members
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 READY_MODEL = "embed"
@@ -362,7 +362,9 @@ class EmbeddedServer:
         """Drain, stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code.
 
         A ready server is drained first (``drain.py``): the ``embed`` ensemble is unloaded, which refuses new
-        requests and lets those in flight finish through both steps, for up to ``exit_timeout_s`` seconds. Then
+        requests and lets those in flight finish through both steps, for up to ``exit_timeout_s`` seconds. A server
+        that then waits only for a model instance whose stub died is killed at once, and 0 returned
+        (``supervisor.finish_stop``: Triton 2.51 would wait out its exit timeout and exit 1). Then
         removes the Python backend regions in ``/dev/shm`` that appeared while it ran and that no live process
         maps (left by killed stubs: ``shm.py``), after killing any stub that outlived it (:func:`kill_leftovers`).
         """
@@ -380,14 +382,17 @@ class EmbeddedServer:
         process, self._process = self._process, None
         code = None
         if process is not None:
+            stuck_on = []
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
+                stuck_on = finish_stop(process.pid, self.config.exit_timeout_s + 10)
                 try:
-                    process.wait(timeout=self.config.exit_timeout_s + 10)
+                    process.wait(timeout=10 if stuck_on else 1)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-            code = process.returncode
+            # killed while it waited only for a dead stub (finish_stop): a clean stop, nothing was left to serve
+            code = 0 if stuck_on else process.returncode
             kill_leftovers(process.pid)
             # regions of stubs killed while it ran (Triton leaves them; see shm.py), now that nothing maps them
             remove_orphans(backend_regions() - (self._regions_before or set()))

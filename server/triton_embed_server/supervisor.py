@@ -12,15 +12,18 @@ one that Triton stops itself (an unload, an operator's reload, the watchdog's ow
 once and simply vanishes. Counting every vanished stub as dead made each reload set off the next one.
 
 Run as a script (``python3 supervisor.py --server-pid PID``, stdlib only, Python >= 3.10) it is the compose
-deployment's watchdog: docker/triton-entrypoint.sh starts it beside ``tritonserver`` in the container.
+deployment's watchdog: docker/triton-entrypoint.sh starts it beside ``tritonserver`` in the container, and runs
+it again with ``--finish-stop`` after its stop signal (:func:`finish_stop`: a stop stuck on a dead stub).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -128,6 +131,65 @@ def _zombie_child(pid: int, parent: int) -> bool:
     return stat is not None and (stat.state, stat.ppid) == ("Z", parent)
 
 
+def dead_stub_children(server_pid: int) -> list[int]:
+    """PIDs of the zombie children of ``server_pid`` named as a stub: stubs that died and that it never reaped.
+
+    A zombie has no command line left, so the name comes from ``/proc/<pid>/comm`` (the first 15 bytes of it).
+    """
+    dead = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        if not _zombie_child(int(proc.name), server_pid):
+            continue
+        try:
+            name = (proc / "comm").read_text().strip()
+        except OSError:
+            continue
+        if name == STUB_NAME[:15]:
+            dead.append(int(proc.name))
+    return dead
+
+
+def finish_stop(server_pid: int, timeout_s: float, confirm_s: float = 1.0) -> list[int]:
+    """Wait until the stopping ``server_pid`` exits; kill it if it waits only for a stub that died. Returns those PIDs.
+
+    Triton 2.51's shutdown unloads every model and waits for each to finish, for up to its exit timeout
+    (``--exit-timeout-secs``). A model instance whose stub died while a request was in it never finishes unloading
+    (the stub stays an unreaped zombie), so a server that had such a crash waits out the whole timeout (30 s) and
+    exits 1 (``failed to stop server: Internal - Exit timeout expired``). Once every live stub has exited, for
+    ``confirm_s`` seconds, with a dead one left, nothing can run any more, since the shutdown ends inference first: the
+    server is SIGKILLed and the dead stubs' PIDs returned. Call it after the stop signal (and the drain).
+
+    Args:
+        server_pid: the ``tritonserver`` process, after SIGINT/SIGTERM.
+        timeout_s: longest wait, seconds; returns ``[]`` with the server still running after it.
+        confirm_s: how long the server must have had no live stub and a dead one before it is killed, seconds (a
+            stub that Triton stops is a zombie only until Triton reaps it, within milliseconds).
+
+    Returns:
+        ``[]`` when the server exited by itself (or is still running after ``timeout_s``), else the dead stubs that
+        it was waiting for when it was killed.
+    """
+    deadline = time.monotonic() + timeout_s
+    stuck_since = None
+    while process_alive(server_pid) and time.monotonic() < deadline:
+        dead = [] if stub_processes(server_pid) else dead_stub_children(server_pid)
+        if not dead:
+            stuck_since = None
+        elif stuck_since is None:
+            stuck_since = time.monotonic()
+        elif time.monotonic() - stuck_since >= confirm_s:
+            log.warning(
+                "tritonserver (pid %d) has unloaded every model but the one whose stub died (pid %s, never reaped), "
+                "which Triton 2.51 waits for until its exit timeout; killed it: no request could still be in it",
+                server_pid, ", ".join(map(str, dead)),
+            )  # fmt: skip
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server_pid, signal.SIGKILL)
+            return dead
+        time.sleep(0.1)
+    return []
+
+
 class StubWatchdog:
     """A daemon thread reloading models whose stub died; stops with :meth:`stop`.
 
@@ -218,14 +280,25 @@ def main(argv: list[str] | None = None) -> int:
 
     Reads the admin key from ``TRITON_EMBED_ADMIN_KEY``; logs to stderr (the container's log). Returns 0 when
     the server process is gone, 2 without a key.
+
+    With ``--finish-stop`` (the entrypoint's stop, after its signal to the server): :func:`finish_stop`; exits 0
+    when it killed a server that waited only for a dead stub, 1 when the server exited by itself or outlived
+    ``--timeout-s``. Needs no key.
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server-pid", type=int, required=True, help="the tritonserver process whose stubs to watch")
     parser.add_argument("--http-port", type=int, default=8000, help="its HTTP port, reached on 127.0.0.1")
     parser.add_argument("--admin-header", default=ADMIN_HEADER, help="header the repository API is locked to")
     parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between looks at the stubs")
+    parser.add_argument(
+        "--finish-stop", action="store_true",
+        help="the server was told to stop: wait until it exits, killing it if it waits only for a dead stub",
+    )  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=40.0, help="with --finish-stop: longest wait, seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="triton-embed stub watchdog: %(message)s")
+    if args.finish_stop:
+        return 0 if finish_stop(args.server_pid, args.timeout_s) else 1
     key = os.environ.get("TRITON_EMBED_ADMIN_KEY", "")
     if not key:
         log.error("TRITON_EMBED_ADMIN_KEY is empty: the watchdog cannot reload models; not watching")

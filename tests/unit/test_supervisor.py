@@ -88,3 +88,15 @@ def test_a_stub_that_dies_during_a_look_is_kept_for_the_next_one(monkeypatch):
     finally:
         stub.kill()
         stub.wait()
+
+
+def test_finish_stop_as_a_script_reports_a_server_that_exited_by_itself():
+    """The entrypoint's stop runs ``--finish-stop`` after its signal: 1 (keep tritonserver's own status) unless it
+    had to kill a server stuck on a dead stub; the real case is in test_deploy_runtime.py."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # noqa: S603 - our interpreter
+    gone.wait()
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", SCRIPT, "--server-pid", str(gone.pid), "--finish-stop", "--timeout-s", "5"],
+        env={}, capture_output=True, text=True, check=False, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
