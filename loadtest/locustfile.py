@@ -51,6 +51,10 @@ def add_options(parser) -> None:
     group.add_argument("--warmup-s", type=float, default=5.0, help="seconds after the last user starts not measured")
     group.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (queue for GPU flags)")
     group.add_argument("--gpu-interval-s", type=float, default=0.5, help="NVML sampling interval, seconds")
+    group.add_argument(
+        "--admission-interval-s", type=float, default=1.0,
+        help="seconds between reads of the admission share and refusals on Triton's /metrics (the report's timeline)",
+    )  # fmt: skip
     group.add_argument("--report-dir", default=None, help="run folder (default loadtest/runs/<time>/)")
 
 

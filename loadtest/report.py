@@ -115,8 +115,12 @@ def build(
     steps_window: dict[str, StepStats],
     stages: list[Stage],
     gpu: list[dict] | None,
+    admission: dict | None = None,
 ) -> dict:
     """Everything the run measured, as one JSON-ready dict (see ``loadtest/README.md`` for the fields).
+
+    ``admission``: ``{"timeline": loadtest.admission.per_second(...), "window": loadtest.admission.summary(...)}``,
+    the server's admission share and refusals over the run (None, or empty, when the server publishes none).
 
     ``count_check`` compares Locust's requests over the whole run with the ensemble's successes plus failures in
     Triton's statistics over the same run: they must agree (within 1%) for the stage breakdown to describe the
@@ -146,6 +150,7 @@ def build(
         "stages": [s.as_dict() for s in stages],
         "culprit": blamed.as_dict() if blamed else None,
         "gpu": gpu,
+        "admission": admission if admission and admission.get("timeline") else None,
         "timeline": timeline(samples, origin_s=run["started_s"]),
     }
 
@@ -219,6 +224,7 @@ def _markdown(report: dict) -> str:
             f"Request count check (whole run): Locust {check['locust_requests']}, Triton {check['triton_requests']} "
             f"(difference {100 * check['relative_difference']:.2f}%).",
         ]
+    lines += _admission_lines(report.get("admission"))
     lines += ["", "## GPU", ""]
     if report["gpu"]:
         lines += ["| GPU | name | samples | util mean % | util max % | memory max MiB | power mean W |"]
@@ -240,6 +246,29 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _admission_lines(admission: dict | None) -> list[str]:
+    """The report's "Admission control" section: what the server refused and how far it lowered its share."""
+    lines = ["", "## Admission control (window)", ""]
+    w = admission["window"] if admission else None
+    if w is None:
+        return [*lines, "No admission figures: the server publishes none (the libtorch encoder) or `/metrics` was "
+                "not readable (`--metrics-port`)."]  # fmt: skip
+    lines.append(
+        f"The tokenizer refused {w['refused']} requests and the encoder shed {w['shed']} in the window's "
+        f"{w['window_s']:.0f} s."
+    )
+    if w["min_share"] is not None and w["min_share"] >= 1.0:
+        lines.append("Admission planned with the whole latency budget at every read of /metrics.")
+    elif w["min_share"] is not None:
+        lines.append(
+            f"Admission planned with {100 * w['min_share']:.0f}% of the latency budget at the lowest, and with less "
+            f"than all of it for {w['below_full_s']:.0f} s: the encoder lowers the share when its requests run late "
+            "(and at the start of a busy period), which turns more requests away while it is low. The timeline is "
+            "the third panel of `latency.png`."
+        )
+    return lines
+
+
 def _plots(report: dict, folder: Path) -> None:
     import matplotlib
 
@@ -248,7 +277,10 @@ def _plots(report: dict, folder: Path) -> None:
 
     rows = report["timeline"]
     t = [r["t_s"] for r in rows]
-    fig, (lat, rps) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    admission = (report.get("admission") or {}).get("timeline") or []
+    panels = 3 if admission else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3 * panels), sharex=True)
+    lat, rps = axes[0], axes[1]
     for key in ("p50_ms", "p95_ms", "p99_ms"):
         lat.plot(t, [r[key] for r in rows], label=key.split("_")[0])
     lat.axhline(report["gate"]["spec"]["p99_ms"], color="red", linestyle="--", label="SLA p99")
@@ -260,8 +292,10 @@ def _plots(report: dict, folder: Path) -> None:
     rps.plot(t, [r["rps"] for r in rows], color="black", label="successes/s")
     rps.bar(t, [r["failures"] for r in rows], color="red", label="failures")
     rps.set_ylabel("requests/s")
-    rps.set_xlabel("seconds since start")
     rps.legend(loc="upper right")
+    if admission:
+        _admission_panel(axes[2], admission)
+    axes[-1].set_xlabel("seconds since start")
     fig.suptitle(textwrap.fill(report["gate"]["line"], width=130), fontsize=8)  # the whole verdict, wrapped
     fig.tight_layout()
     fig.savefig(folder / "latency.png", dpi=100)
@@ -283,3 +317,20 @@ def write(report: dict, folder: Path) -> None:
     (folder / "report.json").write_text(json.dumps(report, indent=2))
     (folder / "report.md").write_text(_markdown(report))
     _plots(report, folder)
+
+
+def _admission_panel(ax, rows: list[dict]) -> None:
+    """Refusals and sheds per second (bars) and the admission share (line, right axis, %) over the run."""
+    t = [r["t_s"] for r in rows]
+    ax.bar(t, [r["refused_per_s"] for r in rows], color="orange", label="refused by the tokenizer/s")
+    ax.bar(t, [r["shed_per_s"] for r in rows], bottom=[r["refused_per_s"] for r in rows], color="red",
+           label="shed by the encoder/s")  # fmt: skip
+    ax.set_ylabel("refusals/s")
+    ax.legend(loc="upper left", fontsize=8)
+    shares = [(r["t_s"], 100 * r["share"]) for r in rows if r["share"] is not None]
+    if shares:
+        share = ax.twinx()
+        share.plot(*zip(*shares, strict=True), color="blue", label="admission share %")
+        share.set_ylim(0, 105)
+        share.set_ylabel("share of budget %")
+        share.legend(loc="upper right", fontsize=8)

@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.http as httpclient
 from triton_embed.server_stats import STEPS, parse
 
-from loadtest import report
+from loadtest import admission, report
 from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, window
 from loadtest.stages import breakdown
 
@@ -78,6 +78,7 @@ class LoadRun:
         self.window_start_s: float | None = None
         self.snapshots: dict[str, dict[str, dict]] = {}
         self.monitor = None
+        self.admission: admission.AdmissionSampler | None = None
 
     def spec(self) -> SlaSpec:
         """The limits from the command line (``--sla-ms``, ``--sla-p95-ms``, ``--max-fail-ratio``, ...)."""
@@ -90,12 +91,13 @@ class LoadRun:
         )
 
     def on_test_start(self, **_) -> None:
-        """A new run: forget the last one's samples, snapshot Triton's statistics, start GPU sampling."""
+        """A new run: forget the last one's samples, snapshot Triton's statistics, start GPU and admission sampling."""
         self._reset()
         self.recorder.samples.clear()
         self.snapshots["start"] = self.stats.snapshot()
         metrics_url = f"http://{self.opts.triton_host}:{self.opts.metrics_port}/metrics"
         self.monitor = _gpu_monitor(self.opts.gpu_interval_s, metrics_url)
+        self.admission = admission.AdmissionSampler(metrics_url, self.opts.admission_interval_s).start()
 
     def on_spawning_complete(self, user_count: int, **_) -> None:
         """All users run: the measured window opens ``--warmup-s`` seconds from now."""
@@ -123,6 +125,7 @@ class LoadRun:
             self.monitor.stop()
             gpu_samples = self.monitor.samples()
             episodes = find_episodes(gpu_samples, self.monitor.queue_samples())
+        admitted = self.admission.stop() if self.admission is not None else []
         samples = self.recorder.samples
         start_s = self.window_start_s if self.window_start_s is not None else end_s
         try:
@@ -155,6 +158,10 @@ class LoadRun:
             steps_window=steps_window,
             stages=stages,
             gpu=report.gpu_summary(gpu_samples, episodes) if gpu_samples else None,
+            admission={
+                "timeline": admission.per_second(admitted, self.started_s),
+                "window": admission.summary(admitted, (start_s, end_s)),
+            },
         )
         self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
         report.write(data, self.folder)

@@ -37,7 +37,8 @@ def locust(srv, folder: Path, *args: str, users: int = 4, seconds: int = 20):
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "--users", str(users), "--spawn-rate", str(users), "--run-time", f"{seconds}s", "--stop-timeout", "10",
         "--triton-host", "127.0.0.1", "--http-port", str(srv.config.http_port),
-        "--grpc-port", str(srv.config.grpc_port), "--warmup-s", "3", "--report-dir", str(folder),
+        "--grpc-port", str(srv.config.grpc_port), "--metrics-port", str(srv.config.metrics_port),
+        "--warmup-s", "3", "--report-dir", str(folder),
         "--json-file", str(folder / "locust"), *args,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120, check=False)
@@ -72,6 +73,18 @@ def test_short_run_passes_the_gate_and_writes_the_report(grpc_run):
     names = {(r["type"], r["name"]) for r in report["requests"]}
     assert names == {("grpc", "embed x1"), ("grpc", "embed x8")}
     assert "SLA PASS" in (folder / "report.md").read_text()
+
+
+def test_report_has_the_servers_admission_timeline(grpc_run):
+    """Read from the server's /metrics during the run: the share the tokenizer planned with, second by second."""
+    _, report, _, _, folder = grpc_run
+    timeline, window = report["admission"]["timeline"], report["admission"]["window"]
+    assert len(timeline) >= 15, timeline  # a 20 s run, one read a second
+    assert all(0.25 <= row["share"] <= 1.0 for row in timeline), timeline
+    # 4 users are within capacity: the gate saw no failure, so the server refused none
+    assert window["refused"] == 0 and window["shed"] == 0 and 14 <= window["window_s"] <= 18
+    assert "## Admission control (window)" in (folder / "report.md").read_text()
+    assert "The tokenizer refused 0 requests and the encoder shed 0" in (folder / "report.md").read_text()
 
 
 def test_request_counts_agree_between_locust_and_triton(grpc_run):
@@ -147,7 +160,7 @@ def test_missing_corpus_file_is_a_one_line_error(server, tmp_path):
 
 
 def test_capacity_search_reports_the_best_passing_step(server, tmp_path):
-    ports = ["--http-port", str(server.config.http_port), "--grpc-port", str(server.config.grpc_port)]
+    ports = [f"--{kind}-port={getattr(server.config, f'{kind}_port')}" for kind in ("http", "grpc", "metrics")]
     common = [sys.executable, "-m", "loadtest.capacity", "--users", "1,3", "--step-s", "8"]
     args = [*ports, "--warmup-s", "2", "--min-requests", "20", "GrpcUser"]
     done = subprocess.run(

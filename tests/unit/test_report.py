@@ -25,7 +25,7 @@ def gpu(t, util):
     return GpuSample(t, 0, "NVIDIA H200", "GPU-0", util, 10.0, 2**30, 2**37, 1980.0, 300.0, 40.0, ((1, 2**29),))
 
 
-def make(steps, gpu_rows=None):
+def make(steps, gpu_rows=None, admission=None):
     samples = [Sample(101.0 + i * 0.01, 20.0, "embed x1", "grpc", False) for i in range(200)]
     gate = evaluate(samples, 101.0, 103.0, SlaSpec())
     stages = breakdown(steps, 20.0) if steps else []
@@ -38,6 +38,7 @@ def make(steps, gpu_rows=None):
         steps_window=steps,
         stages=stages,
         gpu=gpu_rows,
+        admission=admission,
     )
 
 
@@ -102,3 +103,36 @@ def test_the_count_check_allows_for_triton_counting_each_failed_ensemble_request
     data = make({"embed": embed, "tokenizer": step("tokenizer", 200), "encoder": step("encoder", 190)})
     assert data["count_check"]["triton_requests"] == 200
     assert data["count_check"]["relative_difference"] == 0.0
+
+
+SCRAPE = """# HELP triton_embed_admission_share Share of the latency budget
+# TYPE triton_embed_admission_share gauge
+triton_embed_admission_share{{model="encoder"}} {share}
+# HELP triton_embed_shed_requests_total Requests refused
+# TYPE triton_embed_shed_requests_total counter
+triton_embed_shed_requests_total{{model="tokenizer"}} {refused}
+triton_embed_shed_requests_total{{model="encoder"}} {shed}
+# TYPE nv_inference_count counter
+nv_inference_count{{model="embed",version="1"}} 5
+"""
+
+
+def test_admission_samples_become_per_second_rows_and_a_window_summary(tmp_path):
+    from loadtest import admission
+
+    reads = [(100.0, 1.0, 0, 0), (101.0, 1.0, 0, 0), (102.0, 0.25, 30, 2), (103.0, 0.4, 50, 2), (104.0, 1.0, 50, 3)]
+    samples = [admission.parse(SCRAPE.format(share=sh, refused=r, shed=d), t) for t, sh, r, d in reads]
+    assert samples[2] == admission.AdmissionSample(102.0, 0.25, 30, 2)
+    assert admission.parse('nv_inference_count{model="embed"} 5\n', 100.0) is None  # no admission control published
+    rows = admission.per_second(samples, origin_s=100.0)
+    assert [r["t_s"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["refused_per_s"] for r in rows] == [0.0, 30.0, 20.0, 0.0] and rows[1]["share"] == 0.25
+    window = admission.summary(samples, (101.0, 104.0))
+    assert window == {"refused": 50, "shed": 3, "min_share": 0.25, "below_full_s": 2.0, "window_s": 3.0}
+
+    data = make({}, admission={"timeline": rows, "window": window})
+    report.write(data, tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "The tokenizer refused 50 requests and the encoder shed 3 in the window's 3 s." in text
+    assert "with 25% of the latency budget at the lowest, and with less than all of it for 2 s" in text
+    assert (tmp_path / "latency.png").stat().st_size > 1000
