@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import reference_embed
 from helpers import infer, scrape, text_tensor
 from triton_embed import EmbeddingClient
 from triton_embed.errors import ServerUnavailableError
@@ -161,3 +162,16 @@ def test_a_send_stamp_in_ms_or_s_is_invalid_input_not_overload(server, unit):
         embed_sent(server, "grpc", time.time_ns() // unit)
     assert str(caught.value.status()) == "StatusCode.INVALID_ARGUMENT"  # not UNAVAILABLE: retrying cannot help
     assert "check that it is ns since the Unix epoch (time.time_ns(), not ms or s)" in caught.value.message()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_texts_slow_to_tokenize_are_not_shed_for_their_own_tokenization(server, reference, protocol):
+    """32 texts of 65,000 characters without a space take the tokenizer ~0.5 s (one [UNK] token each: nothing for
+    the encoder). That time is the request's own work, not a queue: it was shed on an idle server at every try
+    ("waited 253 ms before the encoder", a new user's trial with 16 such texts)."""
+    rng = np.random.default_rng(7)
+    texts = ["".join(rng.choice(list("ACGT"), 65_000)) for _ in range(32)]
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    with EmbeddingClient(url=url, protocol=protocol, retries=0) as client:
+        served = client.embed(texts)
+    np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)

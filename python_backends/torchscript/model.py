@@ -11,7 +11,8 @@ and the rows are split back per request.
 
 Load shedding (``common/shedding.py``): the tokenizer stamps each request with ``arrival_ns`` (``time.monotonic_ns()``,
 one clock for all processes on the host; a request with the parameter ``sent_ns``, the client's send on the host's wall
-clock, also counts how late it got there: ``shedding.late_arrival_ms``). Requests whose wait plus the estimated
+clock, also counts how late it got there: ``shedding.late_arrival_ms``; the tokenizer's time on the request's own texts,
+``tokenize_ns``, does not count). Requests whose wait plus the estimated
 execution time exceeds ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) are answered UNAVAILABLE at once, oldest first,
 instead of being computed late; counted in ``triton_embed_shed_requests_total``. At the start and end of every execution
 the instance publishes its load (``common/loadboard.py``: when the running execution began and its typical duration, the
@@ -66,6 +67,7 @@ from target import AdmissionTarget, idle
 
 INPUTS = ("input_ids", "attention_mask")
 ARRIVAL = "arrival_ns"
+OWN_WORK = "tokenize_ns"
 OUTPUT = "embedding__0"
 
 
@@ -102,9 +104,12 @@ def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndar
     return ids, mask
 
 
-def arrival_stamp(request) -> int | None:
-    """The request's ``arrival_ns`` stamp (monotonic ns, first row), or None when it carries none."""
-    tensor = pb_utils.get_input_tensor_by_name(request, ARRIVAL)
+def arrival_stamp(request, name: str = ARRIVAL) -> int | None:
+    """The request's ``arrival_ns`` stamp (monotonic ns, first row), or None when it carries none.
+
+    With ``name`` = ``tokenize_ns``: the tokenizer's time on the request's own texts, ns (None when absent).
+    """
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
     stamps = tensor.as_numpy().reshape(-1)
@@ -268,6 +273,11 @@ class TritonPythonModel:
         before: list[float] = []  # per request, how late it reached the tokenizer, ms (by sent_ns; else 0)
         stamps = [arrival_stamp(request) for request in requests]
         self._newest_started_ns = max([self._newest_started_ns, *(s for s in stamps if s is not None)])
+        # the waits count from the stamp plus the tokenizer's time on the request's own texts: that is its own work
+        waits_from = [
+            None if stamp is None else stamp + (arrival_stamp(request, OWN_WORK) or 0)
+            for stamp, request in zip(stamps, requests, strict=True)
+        ]
         for i, request in enumerate(requests):
             try:
                 parameters = request_parameters(request.parameters())
@@ -280,7 +290,7 @@ class TritonPythonModel:
             budgets.append(budget)
             before.append(0.0 if stamps[i] is None else late_arrival_ms(age - (now_ns - stamps[i]) / 1e6))
             pieces.append(piece)
-        late = any(budgets) and self._shed_late(pieces, errors, now_ns, stamps, budgets, before=before)
+        late = any(budgets) and self._shed_late(pieces, errors, now_ns, waits_from, budgets, before=before)
 
         valid = [p for p in pieces if p is not None]
         embeddings = None
@@ -298,7 +308,7 @@ class TritonPythonModel:
         end_ns = time.monotonic_ns()
         if any(  # any request that ran late here tells the tokenizer to admit cautiously (admission.cost_of)
             piece is not None and stamp is not None and 0 < budget < (end_ns - stamp) / 1e6
-            for piece, stamp, budget in zip(pieces, stamps, budgets, strict=True)
+            for piece, stamp, budget in zip(pieces, waits_from, budgets, strict=True)
         ):  # (late by the server's own time: a client's late arrival by sent_ns may be its clock, not our queue)
             self._late_ns, late = end_ns, True
         if any(budget and stamp for budget, stamp in zip(budgets, stamps, strict=True)):
@@ -323,8 +333,9 @@ class TritonPythonModel:
     ) -> bool:
         """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place).
 
-        A request's wait is the time since the tokenizer stamped it plus ``before`` (how late it got there from the
-        client's send, by ``sent_ns``: ``shedding.late_arrival_ms``).
+        A request's wait is the time since ``stamps`` (the tokenizer's stamp plus its time on the request's own
+        texts, ``tokenize_ns``) plus ``before`` (how late it got there from the client's send, by ``sent_ns``:
+        ``shedding.late_arrival_ms``).
 
         Returns:
             whether the server's own queue called for shedding: the same choice on the waits since the stamps alone

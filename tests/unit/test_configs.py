@@ -26,8 +26,9 @@ def parse(relative: str) -> model_config_pb2.ModelConfig:
 def test_libtorch_ensemble_is_the_default_one_without_the_arrival_hand_off():
     default, libtorch = parse("embed/config.pbtxt"), parse("embed/configs/libtorch.pbtxt")
     for step in default.ensemble_scheduling.step:
-        step.input_map.pop("arrival_ns", None)
-        step.output_map.pop("arrival_ns", None)
+        for name in ("arrival_ns", "tokenize_ns"):
+            step.input_map.pop(name, None)
+            step.output_map.pop(name, None)
     assert default == libtorch
     inputs = {i.name for i in parse("encoder/configs/libtorch.pbtxt").input}
     assert inputs == {"input_ids", "attention_mask"}
@@ -36,11 +37,12 @@ def test_libtorch_ensemble_is_the_default_one_without_the_arrival_hand_off():
 def test_every_encoder_on_our_backend_takes_the_optional_arrival_stamp_and_a_latency_budget():
     for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
         config = parse(relative)
-        arrival = next(i for i in config.input if i.name == "arrival_ns")
-        assert arrival.optional and list(arrival.dims) == [1], relative
+        for name in ("arrival_ns", "tokenize_ns"):
+            stamp = next(i for i in config.input if i.name == name)
+            assert stamp.optional and list(stamp.dims) == [1], (relative, name)
         assert float(config.parameters["LATENCY_BUDGET_MS"].string_value) > 0, relative
     tokenizer_outputs = {o.name for o in parse("tokenizer/config.pbtxt").output}
-    assert "arrival_ns" in tokenizer_outputs
+    assert {"arrival_ns", "tokenize_ns"} <= tokenizer_outputs
 
 
 def test_tokenizer_bounds_its_queue_and_encoder_has_no_queue_policy():
