@@ -117,6 +117,12 @@ def test_health_reports_ready(server):
     # the other protocol's port: not just "down", but why (a new user's probe script)
     wrong = run_cli("health", "--url", server.http_url)
     assert wrong.returncode == 1 and "if this is Triton's HTTP port, use protocol 'http'" in wrong.stderr
+    # the metrics port answers 200 to /v2/health/ready too, with an empty body: not a healthy Triton endpoint
+    metrics = f"127.0.0.1:{server.config.metrics_port}"
+    for command in (("health", "--protocol", "http"), ("embed", "--protocol", "http", "x")):
+        done = run_cli(*command, "--url", metrics)
+        assert done.returncode == 1 and "is this Triton's metrics port" in done.stderr, (command, done.stderr)
+    assert "model_ready=False" in run_cli("health", "--protocol", "http", "--url", metrics).stdout
 
 
 def test_stats_table_has_every_step(server):

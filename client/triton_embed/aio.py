@@ -172,11 +172,16 @@ class AsyncEmbeddingClient(ClientBase):
     async def health(self) -> Health:
         """Server liveness/readiness and this model's readiness; an unreachable server gives all False.
 
+        So does a server that is not Triton's HTTP or gRPC endpoint (e.g. its metrics port, which answers 200 to
+        ``/v2/health/ready``): ``error`` says why.
+
         Raises:
             EmbeddingError: the client is closed (a closed client cannot tell; it is not the server's state).
         """
         self._check_open()
         try:
+            # Triton's metrics port answers 200 to any path, with an empty body: the metadata tells them apart
+            await self._call("get_server_metadata")
             return Health(
                 live=bool(await self._call("is_server_live")),
                 ready=bool(await self._call("is_server_ready")),

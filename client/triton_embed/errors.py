@@ -77,12 +77,17 @@ def _wrong_port_hint(message: str) -> str:
     """A hint when the answer looks like the other protocol's port (``--url``/``TRITON_EMBED_URL`` vs the protocol).
 
     HTTP/1.1 to Triton's gRPC port (HTTP/2) fails to parse the reply; gRPC to its HTTP port sees the socket closed
-    (which a server going down also shows, hence "if").
+    (which a server going down also shows, hence "if"); HTTP to its metrics port gets 200 with an empty body.
     """
     if "Expected HTTP/" in message:
         return (
             " (an HTTP client reached a port that does not speak HTTP/1.1: is this Triton's gRPC port? HTTP is "
             "--http-port, 8000 by default; or use protocol 'grpc')"
+        )
+    if "document is empty" in message:
+        return (
+            " (an empty answer: is this Triton's metrics port, 8002 by default? HTTP is --http-port, 8000 by "
+            "default; gRPC is --grpc-port, 8001)"
         )
     if "Socket closed" in message:
         return " (if this is Triton's HTTP port, use protocol 'http'; gRPC is --grpc-port, 8001 by default)"
