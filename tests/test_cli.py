@@ -10,7 +10,10 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import reference_embed
+from helpers import infer, text_tensor
+from tritonclient.utils import InferenceServerException
 
 CLI = [str(Path(sys.executable).parent / "triton-embed")]
 
@@ -127,13 +130,18 @@ def test_health_reports_ready(server):
 
 def test_stats_table_has_every_step(server):
     run_cli("embed", "--url", server.grpc_url, "stats warm-up text")
+    before = {r["model"]: r for r in json.loads(run_cli("stats", "--json", "--url", server.grpc_url).stdout)}
+    with pytest.raises(InferenceServerException, match="NUL byte"):  # refused by the tokenizer: a failure
+        infer(server.grpc_url, "embed", {"TEXT": text_tensor([b"a NUL \0 byte"])}, ["EMBEDDING"])
     done = run_cli("stats", "--url", server.http_url, "--protocol", "http")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split()[:2] == ["model", "requests"] and "queue" in lines[0] and "infer" in lines[0]
+    assert lines[0].split()[:3] == ["model", "requests", "failures"] and "queue" in lines[0] and "infer" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"embed", "tokenizer", "encoder"}
     assert all(int(row[1]) > 0 for row in rows.values())  # every step has served requests
+    # Triton 2.51 counts it on the ensemble, twice; the tokenizer's own row counts its execution as a success
+    assert int(rows["embed"][2]) == before["embed"]["failures"] + 2, done.stdout
     as_json = json.loads(run_cli("stats", "--json", "--url", server.grpc_url).stdout)
     encoder = next(r for r in as_json if r["model"] == "encoder")
     assert encoder["executions"] <= encoder["inferences"] and encoder["compute_infer_ms"] > 0

@@ -115,6 +115,8 @@ def test_empty_input_and_non_text_send_no_inference(server):
             client.embed([b"\xff"])
         with pytest.raises(InvalidInputError, match=r"shape \(n,\) or \(n, 1\); got \(2, 2\)"):
             client.embed(np.array([["a", "b"], ["c", "d"]]))
+        with pytest.raises(InvalidInputError, match=r"got a dict: pass list\(d.values\(\)\) or list\(d\)"):
+            client.embed({"a key": 1})  # iterating it would embed the keys without a word (a new user's trial)
         assert client.stats().requests == 0
     assert counts(server.grpc_url, "embed") == before
 

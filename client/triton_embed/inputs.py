@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -19,36 +19,43 @@ def as_texts(texts: TextsLike) -> list[str]:
     shape ``(n,)`` or ``(n, 1)`` with dtype ``<U..``, ``|S..`` or object (str/bytes items).
 
     Raises:
-        InvalidInputError: an item is not text (names its index and type), bytes that are not UTF-8, or an array
-            of another shape or dtype.
+        InvalidInputError: an item is not text (names its index and type), bytes that are not UTF-8, an array
+            of another shape or dtype, or a dict (its keys or its values? say which).
     """
+    return [_as_str(i, item) for i, item in enumerate(_items(texts))]
+
+
+def _items(texts: TextsLike) -> list:
     if isinstance(texts, str | bytes):
-        items: list = [texts]
-    elif isinstance(texts, np.ndarray):
+        return [texts]
+    if isinstance(texts, np.ndarray):
         if texts.ndim == 2 and texts.shape[1] == 1:
             texts = texts[:, 0]
         if texts.ndim != 1:
             raise InvalidInputError(f"a texts array must have shape (n,) or (n, 1); got {texts.shape}")
         if texts.dtype.kind not in "USO":
             raise InvalidInputError(f"a texts array must hold str or bytes (dtype <U, |S or object); got {texts.dtype}")
-        items = texts.tolist()
-    else:
+        return texts.tolist()
+    if isinstance(texts, Mapping):  # keys or values? iterating would embed the keys without a word
+        raise InvalidInputError(
+            f"texts must be a str or an iterable of str; got a {type(texts).__name__}: pass list(d.values()) or "
+            "list(d) (its keys)"
+        )
+    try:
+        return list(texts)
+    except TypeError:
+        raise InvalidInputError(f"texts must be a str or an iterable of str; got {type(texts).__name__}") from None
+
+
+def _as_str(i: int, item) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, bytes):
         try:
-            items = list(texts)
-        except TypeError:
-            raise InvalidInputError(f"texts must be a str or an iterable of str; got {type(texts).__name__}") from None
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            out.append(item)
-        elif isinstance(item, bytes):
-            try:
-                out.append(item.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise InvalidInputError(
-                    f"texts[{i}] is not valid UTF-8: byte 0x{item[exc.start]:02x} at offset {exc.start} "
-                    f"({exc.reason}); nothing was sent"
-                ) from None
-        else:
-            raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str or UTF-8 bytes")
-    return out
+            return item.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInputError(
+                f"texts[{i}] is not valid UTF-8: byte 0x{item[exc.start]:02x} at offset {exc.start} "
+                f"({exc.reason}); nothing was sent"
+            ) from None
+    raise InvalidInputError(f"texts[{i}] is {type(item).__name__}; every text must be str or UTF-8 bytes")

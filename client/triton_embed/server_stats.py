@@ -82,15 +82,18 @@ def parse(model_stats: dict, before: dict | None = None) -> StepStats:
 
 
 def table(rows: list[StepStats]) -> str:
-    """A fixed-width text table, one row per step."""
+    """A fixed-width text table, one row per step.
+
+    ``failures`` is Triton's count, which on 2.51 counts each failed request of the ``embed`` ensemble twice.
+    """
     head = (
-        f"{'model':<10} {'requests':>9} {'texts':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
+        f"{'model':<10} {'requests':>9} {'failures':>9} {'texts':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
         f"{'input ms':>9} {'infer ms':>9} {'output ms':>10} {'cache hits':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.model:<10} {r.requests:>9} {r.inferences:>9} {r.executions:>8} {r.avg_batch:>6.1f} "
+            f"{r.model:<10} {r.requests:>9} {r.failures:>9} {r.inferences:>9} {r.executions:>8} {r.avg_batch:>6.1f} "
             f"{r.queue_ms:>9.2f} {r.compute_input_ms:>9.2f} {r.compute_infer_ms:>9.2f} {r.compute_output_ms:>10.2f} "
             f"{r.cache_hits:>10}"
         )
