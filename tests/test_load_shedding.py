@@ -6,6 +6,7 @@ count the time a request took to reach the server when it says when it was sent 
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import time
 import uuid
@@ -175,3 +176,17 @@ def test_texts_slow_to_tokenize_are_not_shed_for_their_own_tokenization(server, 
     with EmbeddingClient(url=url, protocol=protocol, retries=0) as client:
         served = client.embed(texts)
     np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
+
+
+def test_the_cli_sets_the_budget_for_a_bulk_job(late_server):
+    """Each request waits 400 ms in this server's encoder queue: over the 180 ms budget, unless the caller says
+    it can wait (--latency-budget-ms 0), as a bulk job run from the command line may."""
+    cli = [sys.executable, "-m", "triton_embed.cli", "embed", "--url", late_server.grpc_url, "one slow text"]
+    refused = subprocess.run(cli, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode == 1 and "ServerUnavailableError" in refused.stderr, refused.stderr
+    assert "LATENCY_BUDGET_MS" in refused.stderr
+    served = subprocess.run(
+        [*cli, "--latency-budget-ms", "0"], capture_output=True, text=True, timeout=120, check=False
+    )  # fmt: skip
+    assert served.returncode == 0, served.stderr
+    assert len(served.stdout.split()) == 384

@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         "texts", nargs="*", help="texts; none = one text per line of --file or stdin (a blank line is the empty text)"
     )
     embed.add_argument("--file", type=argparse.FileType("rb"), help="one UTF-8 text per line")
+    embed.add_argument(
+        "--latency-budget-ms", type=float, default=None,
+        help="how long the server may take before it refuses as overloaded, ms (0 = never refuse, for bulk jobs; "
+        "default: the server's LATENCY_BUDGET_MS, sized to the SLA)",
+    )  # fmt: skip
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
@@ -93,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "embed" and not args.texts and args.file is None and sys.stdin.isatty():
         parser.error("embed: no texts: give them as arguments, with --file, or as lines on stdin")
     try:
-        with EmbeddingClient(url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout) as client:
+        budget = getattr(args, "latency_budget_ms", None)
+        with EmbeddingClient(
+            url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout, latency_budget_ms=budget
+        ) as client:
             if args.command == "similarity":
                 score = client.similarity(args.a, args.b)
                 print(json.dumps({"a": args.a, "b": args.b, "cosine": score}) if args.json else f"{score:.6f}")
