@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -132,11 +133,19 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
     }
     assert killed_regions
     os.kill(server_pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    # and once more while the restarted one loads its models: that restart fails, and the next one is made (it
+    # counts against --max-restarts; serve gave up after the failed restart before, a new operator's trial)
+    deadline = time.monotonic() + 60
+    while (restarted := tritonserver_child(proc.pid, other_than=server_pid)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert restarted is not None, "no restarted tritonserver within 60 s"
+    os.kill(restarted, signal.SIGKILL)
     lines, deadline = [], time.monotonic() + 240
     while time.monotonic() < deadline and not any("tritonserver restarted" in line for line in lines):
         lines.append(proc.stdout.readline() or "")
     output = "".join(lines)
     assert "tritonserver exited unexpectedly with status -9; restarting" in output, output[-3000:]
+    assert "warning: restart failed: tritonserver exited with code -9 before it was ready" in output, output[-3000:]
     assert "tritonserver restarted (pid" in output, output[-3000:]
     # Its stubs exit once serve has reaped it (a 2.51 stub watches its parent's pid; while the dead server is an
     # unreaped zombie they run on): nothing of the killed server is left holding memory.
@@ -147,6 +156,18 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
     assert proc.wait(timeout=60) == 0
     # the killed server's stub regions too: the restart must not count them as older than the server
     assert not killed_regions & backend_regions(), killed_regions & backend_regions()
+
+
+def tritonserver_child(parent: int, other_than: int) -> int | None:
+    """PID of a live ``tritonserver`` child of ``parent`` other than ``other_than`` (a restarted one), or None."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        stat = proc_state(int(proc.name))
+        if stat is None or stat.ppid != parent or not stat.running or int(proc.name) == other_than:
+            continue
+        with contextlib.suppress(OSError):
+            if (proc / "comm").read_text().strip() == "tritonserver":
+                return int(proc.name)
+    return None
 
 
 @pytest.mark.parametrize("serve_process", [("--max-restarts", "0")], indirect=True)

@@ -95,29 +95,42 @@ def serve(args: argparse.Namespace) -> int:
     )
     restarts: list[float] = []
     while not stop.wait(0.5):
-        if not server.is_alive():
-            code = server.stop()
-            restarts = [t for t in restarts if time.monotonic() - t < 600]
-            if len(restarts) >= args.max_restarts:
-                print(
-                    f"error: tritonserver exited with status {code}; {len(restarts)} restarts in 10 min, giving up",
-                    file=sys.stderr,
-                )
-                return 1
-            restarts.append(time.monotonic())
-            print(
-                f"warning: tritonserver exited unexpectedly with status {code}; restarting", file=sys.stderr, flush=True
-            )
-            try:
-                server.start().wait_ready(args.ready_timeout, cancel=stop)
-            except StartupCancelled:
-                break
-            except (ServerError, LayoutError) as exc:
-                print(f"error: restart failed: {exc}", file=sys.stderr)
-                server.stop()
-                return 1
-            print(f"tritonserver restarted (pid {server.pid})", flush=True)
+        if not server.is_alive() and not _restart(server, args, stop, restarts):
+            return 1
     return _stop(server, "stopping tritonserver ...")
+
+
+def _restart(server: EmbeddedServer, args: argparse.Namespace, stop: StopFlag, restarts: list[float]) -> bool:
+    """Restart a tritonserver that exited, until one is ready, a stop is requested, or the restarts run out.
+
+    A restart that dies before it is ready (killed again, out of memory again) counts as one more restart and is
+    followed by the next, so ``--max-restarts`` bounds them all (``restarts``: their times, updated in place).
+
+    Returns:
+        False when the restarts ran out (``--max-restarts`` within 10 minutes): the caller exits 1.
+    """
+    code = server.stop()
+    while not stop.is_set():
+        restarts[:] = [t for t in restarts if time.monotonic() - t < 600]
+        if len(restarts) >= args.max_restarts:
+            print(
+                f"error: tritonserver exited with status {code}; {len(restarts)} restarts in 10 min, giving up",
+                file=sys.stderr,
+            )
+            return False
+        restarts.append(time.monotonic())
+        print(f"warning: tritonserver exited unexpectedly with status {code}; restarting", file=sys.stderr, flush=True)
+        try:
+            server.start().wait_ready(args.ready_timeout, cancel=stop)
+        except StartupCancelled:
+            return True
+        except (ServerError, LayoutError) as exc:
+            print(f"warning: restart failed: {exc}", file=sys.stderr, flush=True)
+            code = server.stop()
+            continue
+        print(f"tritonserver restarted (pid {server.pid})", flush=True)
+        return True
+    return True
 
 
 def _stop(server: EmbeddedServer, message: str) -> int:
