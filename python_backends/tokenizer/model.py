@@ -4,7 +4,8 @@ Loaded by Triton for every model whose config says ``backend: "tokenizer"``. The
 ``<version>/tokenizer.json`` written by ``make model``: a Hugging Face fast tokenizer whose truncation is set to
 the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds the transformer.
 
-Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call, and split back per request.
+Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call (texts over 4,096 characters
+from their head when that gives the same ids: ``common/long_texts.py``), and split back per request.
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
 that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. ``arrival_ns``, int64
 ``[n_texts, 1]``, is ``time.monotonic_ns()`` when this execute began plus the request's index in it (one clock for
@@ -53,6 +54,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from admission import Backlog, cost_of
 from loadboard import LoadReader
+from long_texts import encode_heads, margin_chars
 from metric_lifetime import keep
 from shedding import (
     SHED_METRIC,
@@ -155,6 +157,7 @@ class TritonPythonModel:
         padding = self.tokenizer.padding
         self.pad_id = padding["pad_id"] if padding else 0
         self.tokenizer.no_padding()  # we pad per request, not to the longest text of the whole execution
+        self._head_margin = margin_chars(self.tokenizer)  # None: not WordPiece, every text is tokenized whole
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         self.max_text_bytes = int(params.get("MAX_TEXT_BYTES", "65536"))
         self.truncate = params.get("TRUNCATION", "truncate")
@@ -211,7 +214,7 @@ class TritonPythonModel:
                 texts_per_request.append(None)
 
         flat = [t for texts in texts_per_request if texts for t in texts]
-        encodings = self.tokenizer.encode_batch(flat, add_special_tokens=True) if flat else []
+        encodings = encode_heads(self.tokenizer, flat, self._head_margin) if flat else []  # long texts: their head
         if len(encodings) != len(flat):
             raise pb_utils.TritonModelException(f"tokenizer returned {len(encodings)} encodings for {len(flat)} texts")
         own_ns = own_work_ns(texts_per_request, time.monotonic_ns() - arrival_ns)
