@@ -70,15 +70,23 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
             cls = ServerUnavailableError
         else:
             cls = ServerError
-    return cls(f"model '{model}' at {url}: {message}{_wrong_port_hint(message)}")
+    return cls(f"model '{model}' at {url}: {message}{_hint(message)}")
 
 
-def _wrong_port_hint(message: str) -> str:
-    """A hint when the answer looks like the other protocol's port (``--url``/``TRITON_EMBED_URL`` vs the protocol).
+def _hint(message: str) -> str:
+    """What Triton's own message leaves out: the limit a full queue hit, or the port the client should use.
+
+    Triton's "Exceeds maximum queue size" does not say which queue or how long it is. For ports: a hint when the
+    answer looks like the other protocol's port (``--url``/``TRITON_EMBED_URL`` vs the protocol).
 
     HTTP/1.1 to Triton's gRPC port (HTTP/2) fails to parse the reply; gRPC to its HTTP port sees the socket closed
     (which a server going down also shows, hence "if"); HTTP to its metrics port gets 200 with an empty body.
     """
+    if "Exceeds maximum queue size" in message:
+        return (
+            " (the tokenizer's queue is full: max_queue_size in tokenizer/config.pbtxt, 512 requests as shipped; "
+            "retry with backoff)"
+        )
     if "Expected HTTP/" in message:
         return (
             " (an HTTP client reached a port that does not speak HTTP/1.1: is this Triton's gRPC port? HTTP is "

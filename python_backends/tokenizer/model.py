@@ -102,7 +102,9 @@ def decode_texts(tensor, max_bytes: int) -> list[str]:
         if len(raw) > max_bytes:
             raise RequestError(f"input '{INPUT}' row {row} has {len(raw)} bytes; the limit is {max_bytes} bytes")
         if b"\0" in raw:
-            raise RequestError(f"input '{INPUT}' row {row} holds a NUL byte at offset {raw.index(0)}; texts may not")
+            raise RequestError(
+                f"input '{INPUT}' row {row} holds a NUL byte at offset {raw.index(0)}; a text may not hold one"
+            )
         try:
             texts.append(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
