@@ -104,7 +104,8 @@ def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_s
             parameters = {"latency_budget_ms": 30_000, "sent_ns": time.time_ns() - 60 * 10**9}
             infer(late_server.grpc_url, "embed", {"TEXT": texts}, ["EMBEDDING"], parameters=parameters)
         assert not job.done()  # refused before the work ahead of it was done, not after queueing behind it
-        assert re.search(r"reached the tokenizer ~600\d\d ms after it was sent \(sent_ns\)", stale.value.message())
+        # ~60,000 ms plus the way there, which took 502 ms once in CI on the 2 shared cores
+        assert re.search(r"reached the tokenizer ~6[01]\d\d\d ms after it was sent \(sent_ns\)", stale.value.message())
         assert job.result().shape == (64, 384)
     assert tokenizer_refusals(late_server) == before + 2
 
