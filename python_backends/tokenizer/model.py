@@ -120,8 +120,9 @@ def own_work_ns(texts_per_request: list[list[str] | None], work_ns: int) -> list
 
     The encoder does not count a request's share as waiting (``tokenize_ns``): 32 texts of 65,000 characters without
     a space take ~0.5 s to tokenize into one token each, so an idle server shed them at every try as "waited 522 ms"
-    (a new user's trial). Tokenization time grows about linearly with the characters; the rest of the execute (the
-    other requests' texts) still counts as waiting.
+    (a new user's trial). Tokenization time grows about linearly with the characters (a text read from its head,
+    ``long_texts.py``, costs less than its share says, which only matters beside other requests in one execute); the
+    rest of the execute (the other requests' texts) still counts as waiting.
     """
     chars = [sum(map(len, texts)) if texts else 0 for texts in texts_per_request]
     total = sum(chars)
