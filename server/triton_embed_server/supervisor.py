@@ -243,9 +243,16 @@ class StubWatchdog:
         for model in sorted(set(dead.values())):
             if self._stop.is_set() or not self._reload(model):
                 failed |= {pid: m for pid, m in dead.items() if m == model}
-        # a stub that died after crashed_stubs looked is a zombie now, which stub_processes leaves out: keep it
-        late = {pid: m for pid, m in known.items() if pid not in dead and _zombie_child(pid, self.server_pid)}
-        return stub_processes(self.server_pid) | failed | late
+        # A stub that died after crashed_stubs looked is a zombie now, which stub_processes leaves out: keep it. Looked
+        # for after stub_processes, so that one dying while /proc is scanned is in one or the other (a CI run lost an
+        # encoder killed right after the tokenizer's reload: it was never reloaded).
+        alive = stub_processes(self.server_pid)
+        late = {
+            pid: m
+            for pid, m in known.items()
+            if pid not in dead and pid not in alive and _zombie_child(pid, self.server_pid)
+        }
+        return alive | failed | late
 
     def _reload(self, model: str) -> bool:
         """Reload ``model`` with its current config (see the module docstring); False if that failed."""

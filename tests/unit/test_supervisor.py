@@ -90,6 +90,32 @@ def test_a_stub_that_dies_during_a_look_is_kept_for_the_next_one(monkeypatch):
         stub.wait()
 
 
+def test_a_stub_that_dies_while_proc_is_scanned_is_kept_for_the_next_look(monkeypatch):
+    """The rescan of /proc takes a while on busy cores; a stub that dies during it is left out as a zombie, so the
+    zombie check must come after the rescan (a CI run lost an encoder killed right after the tokenizer's reload)."""
+    import triton_embed_server.supervisor as supervisor
+
+    stub = subprocess.Popen(["sleep", "60"])  # noqa: S607 - coreutils; this test process plays tritonserver
+
+    def scan_during_which_it_dies(_server_pid):
+        stub.kill()  # not reaped: a zombie, which the scan leaves out
+        deadline = time.monotonic() + 10
+        while process_alive(stub.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {}
+
+    try:
+        monkeypatch.setattr(supervisor, "crashed_stubs", lambda *_: {})  # alive when the crash check looked
+        monkeypatch.setattr(supervisor, "stub_processes", scan_during_which_it_dies)
+        watchdog = supervisor.StubWatchdog(
+            server_pid=os.getpid(), http_url=f"127.0.0.1:{free_port()}", admin_header="h", admin_key="k"
+        )
+        assert watchdog._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
+    finally:
+        stub.kill()
+        stub.wait()
+
+
 def test_finish_stop_as_a_script_reports_a_server_that_exited_by_itself():
     """The entrypoint's stop runs ``--finish-stop`` after its signal: 1 (keep tritonserver's own status) unless it
     had to kill a server stuck on a dead stub; the real case is in test_deploy_runtime.py."""
