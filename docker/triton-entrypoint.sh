@@ -51,6 +51,7 @@ done
 
 server_pid=""
 stopped_stuck=0
+watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"  # the stub watchdog, also the stop's end
 drain_then_stop() {
     trap '' TERM INT  # one drain; tritonserver's own exit timeout bounds the rest
     if [[ -z "$server_pid" ]]; then  # a signal right after the launch, before server_pid was set
@@ -67,7 +68,6 @@ drain_then_stop() {
     kill -TERM "$server_pid" 2>/dev/null || true  # (a background job starts with SIGINT ignored)
     # Triton 2.51 waits out its exit timeout (and exits 1) for a model instance whose stub died with a request in
     # it; the watchdog's --finish-stop kills such a server once every live stub has exited (a clean stop).
-    local watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"
     if [[ "${TRITON_EMBED_WATCH_STUBS:-1}" != 0 && -f "$watchdog" ]] \
         && python3 "$watchdog" --server-pid "$server_pid" --finish-stop </dev/null; then
         stopped_stuck=1
@@ -81,7 +81,6 @@ trap drain_then_stop TERM INT
 server_pid=$!
 
 if [[ "${TRITON_EMBED_WATCH_STUBS:-1}" != 0 ]]; then
-    watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"
     if [[ -f "$watchdog" ]]; then
         TRITON_EMBED_ADMIN_KEY="$admin_key" python3 "$watchdog" --server-pid "$server_pid" --http-port "$http_port" \
             --admin-header "$admin_header" </dev/null &
