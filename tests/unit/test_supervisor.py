@@ -12,9 +12,22 @@ import sys
 import time
 
 from triton_embed_server.embedded import free_port
-from triton_embed_server.supervisor import crashed_stubs, main, process_alive, server_answers
+from triton_embed_server.supervisor import StubWatchdog, crashed_stubs, main, process_alive, server_answers
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "server", "triton_embed_server", "supervisor.py")
+
+
+def kill_unreaped(child: subprocess.Popen) -> None:
+    """SIGKILL ``child`` and wait (up to 10 s) until it is a zombie: killed and not reaped, as a crashed stub."""
+    child.kill()
+    deadline = time.monotonic() + 10
+    while process_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def watchdog_of_this_process():
+    """A watchdog (not started) whose tritonserver is this test process; no server answers at its URL."""
+    return StubWatchdog(server_pid=os.getpid(), http_url=f"127.0.0.1:{free_port()}", admin_header="h", admin_key="k")
 
 
 def test_a_zombie_counts_as_gone_and_a_running_process_as_alive():
@@ -54,13 +67,10 @@ def test_only_an_unreaped_stub_counts_as_crashed():
     stubs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]  # noqa: S607 - coreutils
     crashed, retired, alive = stubs
     try:
-        crashed.kill()  # killed and not reaped: a zombie, as Triton 2.51 leaves a crashed stub
+        kill_unreaped(crashed)  # a zombie, as Triton 2.51 leaves a crashed stub
         retired.kill()
         retired.wait()  # reaped: gone from /proc
         known = {crashed.pid: "tokenizer", retired.pid: "encoder", alive.pid: "encoder"}
-        deadline = time.monotonic() + 10
-        while process_alive(crashed.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert crashed_stubs(os.getpid(), known, confirm_s=0.05) == {crashed.pid: "tokenizer"}
         assert crashed_stubs(os.getpid() + 1, known, confirm_s=0.05) == {}  # another parent's zombie is not ours
     finally:
@@ -76,15 +86,9 @@ def test_a_stub_that_dies_during_a_look_is_kept_for_the_next_one(monkeypatch):
 
     stub = subprocess.Popen(["sleep", "60"])  # noqa: S607 - coreutils; this test process plays tritonserver
     try:
-        stub.kill()  # not reaped: a zombie, as a crashed stub
-        deadline = time.monotonic() + 10
-        while process_alive(stub.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_unreaped(stub)
         monkeypatch.setattr(supervisor, "crashed_stubs", lambda *_: {})  # the look came just before the death
-        watchdog = supervisor.StubWatchdog(
-            server_pid=os.getpid(), http_url=f"127.0.0.1:{free_port()}", admin_header="h", admin_key="k"
-        )
-        assert watchdog._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
+        assert watchdog_of_this_process()._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
     finally:
         stub.kill()
         stub.wait()
@@ -98,19 +102,13 @@ def test_a_stub_that_dies_while_proc_is_scanned_is_kept_for_the_next_look(monkey
     stub = subprocess.Popen(["sleep", "60"])  # noqa: S607 - coreutils; this test process plays tritonserver
 
     def scan_during_which_it_dies(_server_pid):
-        stub.kill()  # not reaped: a zombie, which the scan leaves out
-        deadline = time.monotonic() + 10
-        while process_alive(stub.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_unreaped(stub)  # a zombie, which the scan leaves out
         return {}
 
     try:
         monkeypatch.setattr(supervisor, "crashed_stubs", lambda *_: {})  # alive when the crash check looked
         monkeypatch.setattr(supervisor, "stub_processes", scan_during_which_it_dies)
-        watchdog = supervisor.StubWatchdog(
-            server_pid=os.getpid(), http_url=f"127.0.0.1:{free_port()}", admin_header="h", admin_key="k"
-        )
-        assert watchdog._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
+        assert watchdog_of_this_process()._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
     finally:
         stub.kill()
         stub.wait()
