@@ -25,6 +25,16 @@ def kill_unreaped(child: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def only_for_this_process(monkeypatch, module, name: str, fake) -> None:
+    """Patch ``module.name`` with ``fake`` for a watchdog of this process; others get the real one.
+
+    The session's embedded server runs its own watchdog thread in this process, through the same module: patched
+    for all, its scan killed and reaped this test's stub (``Popen.kill`` polls first), and the test lost it.
+    """
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda pid, *a: fake(pid, *a) if pid == os.getpid() else real(pid, *a))
+
+
 def watchdog_of_this_process():
     """A watchdog (not started) whose tritonserver is this test process; no server answers at its URL."""
     return StubWatchdog(server_pid=os.getpid(), http_url=f"127.0.0.1:{free_port()}", admin_header="h", admin_key="k")
@@ -87,7 +97,7 @@ def test_a_stub_that_dies_during_a_look_is_kept_for_the_next_one(monkeypatch):
     stub = subprocess.Popen(["sleep", "60"])  # noqa: S607 - coreutils; this test process plays tritonserver
     try:
         kill_unreaped(stub)
-        monkeypatch.setattr(supervisor, "crashed_stubs", lambda *_: {})  # the look came just before the death
+        only_for_this_process(monkeypatch, supervisor, "crashed_stubs", lambda *_: {})  # looked just before the death
         assert watchdog_of_this_process()._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
     finally:
         stub.kill()
@@ -106,8 +116,8 @@ def test_a_stub_that_dies_while_proc_is_scanned_is_kept_for_the_next_look(monkey
         return {}
 
     try:
-        monkeypatch.setattr(supervisor, "crashed_stubs", lambda *_: {})  # alive when the crash check looked
-        monkeypatch.setattr(supervisor, "stub_processes", scan_during_which_it_dies)
+        only_for_this_process(monkeypatch, supervisor, "crashed_stubs", lambda *_: {})  # alive when it looked
+        only_for_this_process(monkeypatch, supervisor, "stub_processes", scan_during_which_it_dies)
         assert watchdog_of_this_process()._tick({stub.pid: "encoder"}) == {stub.pid: "encoder"}
     finally:
         stub.kill()
