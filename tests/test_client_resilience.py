@@ -17,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, ServerUnavailableError
 from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError, from_triton
+from triton_embed.shm import unregister_when_released
 from triton_embed.transport import retryable
 from triton_embed_server.embedded import EmbeddedServer
 
@@ -69,6 +70,36 @@ def test_open_close_cycles_do_not_grow_memory(server):
         for n in server_regions(server.grpc_url, server.admin_headers("grpc"))
         if n.startswith(f"triton_embed_{os.getpid()}_")
     ]
+
+
+def test_unregister_waits_until_the_server_lets_go_of_a_region(server):
+    """Triton 2.51 refuses to unregister a region that a request holds, and lets go of it only after the response is
+    sent; a close right after a response (1 in 300 on busy cores) left the region registered on the server."""
+    unique = str(time.time_ns())  # no response-cache hit
+    texts = [" ".join(f"w{i}x{j}" for j in range(200)) + unique for i in range(64)]  # ~1 s of encoder work
+    client = EmbeddingClient(
+        url=server.grpc_url, use_shared_memory=True, latency_budget_ms=0, timeout_s=60,
+        headers=server.admin_headers("grpc"),
+    )  # fmt: skip
+    raw = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(client.embed, texts)
+            deadline = time.monotonic() + 10
+            while not set(client._shm.regions) & set(server_regions(server.grpc_url, server.admin_headers("grpc"))):
+                assert time.monotonic() < deadline, "the client never registered its region"
+                time.sleep(0.01)
+            time.sleep(0.5)  # the request reaches the server and takes hold of the region
+            (name,) = client._shm.regions
+            unregister_when_released(
+                lambda n: raw.unregister_system_shared_memory(n, headers=server.admin_headers("grpc")), name
+            )
+            # served: an unregister that did not wait for the server to let go would have failed the request
+            assert slow.result(timeout=60).shape == (64, 384)
+        assert name not in server_regions(server.grpc_url, server.admin_headers("grpc"))
+    finally:
+        raw.close()
+        client.close()
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http", "aio-grpc", "aio-http"])

@@ -14,7 +14,7 @@ from triton_embed.client import Health, close_pool_at_exit
 from triton_embed.coalesce import AsyncCoalescer
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
 from triton_embed.inputs import TextsLike, as_texts
-from triton_embed.shm import ShmPool
+from triton_embed.shm import ShmPool, region_in_use, release_pauses
 from triton_embed.transport import (
     backoff,
     copied,
@@ -218,10 +218,25 @@ class AsyncEmbeddingClient(ClientBase):
             await asyncio.to_thread(self._shm.close, names.append)
             for name in names:
                 with contextlib.suppress(EmbeddingError):  # the server may be gone; local regions are freed anyway
-                    await self._call("unregister_system_shared_memory", name)
+                    await self._unregister_when_released(name)
         self._closed = True
         if self._client is not None:
             await self._client.close()
+
+    async def _unregister_when_released(self, name: str) -> None:
+        """Unregister region ``name``, tried again while the server still holds it (see ``shm.region_in_use``).
+
+        Raises:
+            EmbeddingError: any other refusal, or the server still held the region after ``shm.RELEASE_WAIT_S``.
+        """
+        for pause in (*release_pauses(), None):
+            try:
+                await self._call("unregister_system_shared_memory", name)
+                return
+            except EmbeddingError as exc:
+                if pause is None or not region_in_use(exc):
+                    raise
+            await asyncio.sleep(pause)
 
     async def __aenter__(self) -> AsyncEmbeddingClient:
         return self
