@@ -7,8 +7,9 @@
 #
 # It also starts the stub watchdog (server/triton_embed_server/supervisor.py, stdlib only): Triton 2.51 does not
 # restart a Python backend stub that died, so the watchdog reloads that model through the repository API (hence
-# --model-control-mode=explicit in docker-compose.yml) with the admin key. It watches tritonserver's PID, reaches
-# it on 127.0.0.1 at --http-port (default 8000), and exits after it.
+# --model-control-mode=explicit in docker-compose.yml) with the admin key. It watches tritonserver's stubs from its
+# start (one that dies while other models still load is reloaded once the server answers), reaches it on 127.0.0.1
+# at --http-port (default 8000), and exits after it.
 #
 # And it drains on SIGTERM/SIGINT (`docker compose stop`): Triton 2.51's own shutdown refuses a request whose
 # encoder step has not started ("Server is stopping"), so this script stays in front of tritonserver, and on the

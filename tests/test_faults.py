@@ -19,7 +19,7 @@ from helpers import drained_requests, embed_until_answered, kill_stub_mid_reques
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
-from triton_embed_server.supervisor import stub_processes
+from triton_embed_server.supervisor import STARTUP_INTERVAL_S, stub_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends" / "common"))
 from loadboard import board_dir  # noqa: E402
@@ -132,6 +132,28 @@ def test_a_stub_killed_with_a_request_in_it_leaves_a_quick_clean_stop_and_no_sha
     assert "Exit timeout expired" not in log and code == 0, log[-3000:]
     assert took < 20, f"the stop took {took:.0f} s (Triton's exit timeout is 30 s)"
     assert backend_regions() - before == set()  # the killed stub's region too
+
+
+def test_a_stub_killed_while_the_server_still_loads_is_replaced(tmp_path, reference):
+    """The watchdog starts with tritonserver: a tokenizer stub killed after its model loaded, while the encoder still
+    warms up, is reloaded once the server answers (it was not: the watchdog started at READY, knew only live stubs,
+    and every request failed 'not healthy' until a restart)."""
+    server = EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log").start()
+    try:
+        deadline = time.monotonic() + 120
+        while "successfully loaded 'tokenizer'" not in (tmp_path / "log").read_text(errors="replace"):
+            assert time.monotonic() < deadline and server.is_alive(), "the tokenizer never loaded"
+            time.sleep(0.05)
+        time.sleep(2 * STARTUP_INTERVAL_S)  # the watchdog has seen the stub (it loads in ~0.15 s, between two looks)
+        (stub,) = [pid for pid, model in stub_processes(server.pid).items() if model == "tokenizer"]
+        os.kill(stub, signal.SIGKILL)
+        assert not server.is_ready(), "the server was ready before the kill: this test needs a kill during the load"
+        server.wait_ready()
+        served, _ = embed_until_answered(server.grpc_url, "after a stub died during the load", within_s=30)
+        np.testing.assert_allclose(served, reference_embed(reference, ["after a stub died during the load"]), atol=1e-5)
+        assert [model for model, _ in server.watchdog.reloads] == ["tokenizer"]
+    finally:
+        server.stop()
 
 
 def test_retrying_client_does_not_see_a_stub_crash(fault_server, reference):

@@ -261,7 +261,7 @@ class EmbeddedServer:
         return args + list(c.extra_args)
 
     def start(self) -> EmbeddedServer:
-        """Start tritonserver; does not wait for readiness (see :meth:`wait_ready`).
+        """Start tritonserver and its stub watchdog (``watch_stubs``); does not wait for readiness (:meth:`wait_ready`).
 
         Raises:
             ServerError: already started, or a configured port is in use (Triton would load every model and only
@@ -301,6 +301,13 @@ class EmbeddedServer:
             # hears of it (the parent-death signal still ends it with us)
             start_new_session=True,
         )
+        if self.config.watch_stubs:  # from the start: a stub that dies while others still load is reloaded too
+            self.watchdog = StubWatchdog(
+                server_pid=self._process.pid,
+                http_url=self.http_url,
+                admin_header=self.config.admin_header,
+                admin_key=self.config.admin_key,
+            ).start()
         return self
 
     def is_alive(self) -> bool:
@@ -347,13 +354,6 @@ class EmbeddedServer:
             # ours, not another server's answer on the same port (two started at once both pass start()'s check;
             # the one that loses the bind would otherwise report ready before it exits)
             if self.is_ready() and listens_on(self.pid, self.config.http_port):
-                if self.config.watch_stubs and self.watchdog is None:
-                    self.watchdog = StubWatchdog(
-                        server_pid=self.pid,
-                        http_url=self.http_url,
-                        admin_header=self.config.admin_header,
-                        admin_key=self.config.admin_key,
-                    ).start()
                 return self
             time.sleep(0.25)
         raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")

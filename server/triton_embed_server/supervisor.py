@@ -2,7 +2,8 @@
 
 Triton 2.51's Python backend does not restart a stub that was killed (out of memory, SIGKILL): the model stays
 READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
-machines). The watchdog polls the server's child processes once a second; when a stub has died, it reloads
+machines). The watchdog polls the server's child processes once a second, every 0.25 s from the server's start
+until it is ready (a stub that dies within 0.25 s of its own start is missed); when a stub has died, it reloads
 that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's current
 config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old instance
 keeps answering), using the admin header.
@@ -34,6 +35,9 @@ from typing import NamedTuple
 
 log = logging.getLogger("triton_embed_server")
 STUB_NAME = "triton_python_backend_stub"
+# Between looks until the server is ready. A stub that dies sooner after its start is never known, so not reloaded:
+# the tokenizer's stub loads its model in ~0.15 s (the encoder's in seconds).
+STARTUP_INTERVAL_S = 0.25
 ADMIN_HEADER = "triton-embed-admin-key"  # the admin APIs' header, here and in docker/triton-entrypoint.sh
 
 
@@ -210,7 +214,11 @@ class StubWatchdog:
         self._thread = threading.Thread(target=self._run, name="triton-embed-stub-watchdog", daemon=True)
 
     def start(self) -> StubWatchdog:
-        """Start watching: the stubs alive now are the ones watched, so one that dies right after is reloaded."""
+        """Start watching: the stubs alive now are the ones watched, so one that dies right after is reloaded.
+
+        Start it with ``tritonserver``: until the server is ready it looks every :data:`STARTUP_INTERVAL_S`, and a
+        stub it knew that dies before the server answers (others still load) is reloaded once the server does.
+        """
         self._known = stub_processes(self.server_pid)  # here, not in the thread: a kill may come before it runs
         self._thread.start()
         return self
@@ -222,10 +230,13 @@ class StubWatchdog:
             self._thread.join(timeout=120)
 
     def _run(self) -> None:
-        known = self._known
-        while not self._stop.wait(self.interval_s):
+        known, ready = self._known, False
+        while not self._stop.wait(self.interval_s if ready else min(self.interval_s, STARTUP_INTERVAL_S)):
             try:
                 known = self._tick(known)
+                if not ready and server_answers(self.http_url, "ready"):
+                    ready = True
+                    log.info("server ready; watching the stubs of: %s", ", ".join(sorted(set(known.values()))))
             except Exception:  # the watchdog must outlive any one bad tick
                 log.exception("stub watchdog tick failed")
 
@@ -237,8 +248,8 @@ class StubWatchdog:
         stub in the next look, so it is tried again.
         """
         dead = crashed_stubs(self.server_pid, known)
-        if dead and not server_answers(self.http_url, "live"):
-            return known
+        if dead and not server_answers(self.http_url, "live"):  # starting (endpoints come up after loads) or stopping
+            return known | stub_processes(self.server_pid)
         failed = {}
         for model in sorted(set(dead.values())):
             if self._stop.is_set() or not self._reload(model):
@@ -283,7 +294,7 @@ class StubWatchdog:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The compose deployment's watchdog: wait for the server to be READY, watch its stubs until it exits.
+    """The compose deployment's watchdog: watch the server's stubs from its start until it exits.
 
     Reads the admin key from ``TRITON_EMBED_ADMIN_KEY``; logs to stderr (the container's log). Returns 0 when
     the server process is gone, 2 without a key.
@@ -310,17 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         log.error("TRITON_EMBED_ADMIN_KEY is empty: the watchdog cannot reload models; not watching")
         return 2
-    http_url = f"127.0.0.1:{args.http_port}"
-    while process_alive(args.server_pid) and not server_answers(http_url, "ready"):
-        time.sleep(args.interval_s)  # startup: model load, warmup and (GPU) CUDA graph capture take minutes
     if not process_alive(args.server_pid):
         return 0
     watchdog = StubWatchdog(
-        server_pid=args.server_pid, http_url=http_url, admin_header=args.admin_header, admin_key=key,
-        interval_s=args.interval_s,
+        server_pid=args.server_pid, http_url=f"127.0.0.1:{args.http_port}", admin_header=args.admin_header,
+        admin_key=key, interval_s=args.interval_s,
     ).start()  # fmt: skip
-    models = sorted(set(stub_processes(args.server_pid).values()))
-    log.info("watching the stubs of tritonserver (pid %d): %s", args.server_pid, ", ".join(models))
+    log.info("watching the stubs of tritonserver (pid %d) from its start", args.server_pid)
     while process_alive(args.server_pid):
         time.sleep(args.interval_s)
     watchdog.stop()
