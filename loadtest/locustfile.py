@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest` is im
 
 from locust import events  # noqa: E402
 
-from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
+from loadtest.corpus import CorpusError, Deck, load_corpus  # noqa: E402
 from loadtest.session import LoadRun  # noqa: E402
 from loadtest.users import GrpcUser, HttpUser  # noqa: E402
 
@@ -67,6 +67,7 @@ def on_init(environment, **_) -> None:
     """
     try:
         environment.corpus = load_corpus(environment.parsed_options.corpus)
+        environment.deck = Deck(environment.corpus)
     except CorpusError as exc:
         sys.exit(f"loadtest: {exc} (--corpus FILE)")
     run = LoadRun(environment)

@@ -146,7 +146,9 @@ class LoadRun:
             "spawn_rate": o.spawn_rate,
             "warmup_s": o.warmup_s,
             "user_classes": self.user_classes or [c.__name__ for c in self.env.user_classes],
-            "corpus": f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts)",
+            "corpus": (
+                f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts, {len(self.env.deck.texts)} distinct)"
+            ),
             "send_time": o.send_time,
         }
         data = report.build(
@@ -173,9 +175,15 @@ class LoadRun:
             )
         hits = report.cache_hit_ratio(data)
         if hits > report.CACHE_WARNING_RATIO:
+            wraps = self.env.deck.wraps
+            why = (
+                f"this run sent every text of its corpus {wraps + 1} times or more: use a larger --corpus"
+                if wraps
+                else "the server had answered these texts before (an earlier run): restart the server"
+            )
             self.summary.append(
                 f"Warning: {100 * hits:.0f}% of the requests were response-cache hits (repeated texts), which flatters "
-                "the figures: restart the server or use a larger --corpus to measure the model"
+                f"the figures; {why} to measure the model"
             )
         if o.send_time:
             self.summary.append("Requests carried their send time (--send-time: sent_ns)")

@@ -15,6 +15,8 @@ from triton_embed import EmbeddingClient
 from triton_embed.errors import ServerUnavailableError
 from triton_embed.transport import DEFAULT_BACKOFF_S, backoff
 
+from loadtest.corpus import Deck
+
 # Task weights: the online case (one sentence per request) dominates; small batches model bulk callers.
 SINGLE_WEIGHT = 10
 BATCH_WEIGHT = 1
@@ -61,7 +63,9 @@ class TritonUser(User):
 
     Subclasses set ``protocol``. Connection settings come from the locustfile's options
     (``--triton-host``, ``--grpc-port``/``--http-port``, ``--model``, ``--request-timeout-s``); texts from the
-    corpus the locustfile loaded into ``environment.corpus``. The client does not retry: a failure is a failure.
+    corpus the locustfile dealt into ``environment.deck`` (:class:`loadtest.corpus.Deck`: a one-text request repeats a
+    text only after every text was sent once, so the response cache does not answer a third of them). The client
+    does not retry: a failure is a failure.
     """
 
     abstract = True
@@ -87,18 +91,18 @@ class TritonUser(User):
             ),
             environment.events.request,
         )
-        self.texts: list[str] = environment.corpus
+        self.deck: Deck = environment.deck
         self.rng = random.Random()  # noqa: S311 - picking sentences, not secrets
 
     @task(SINGLE_WEIGHT)
     def one_sentence(self) -> None:
         """The online case: one text per request."""
-        self.embedder.embed([self.rng.choice(self.texts)])
+        self.embedder.embed([self.deck.deal()])
 
     @task(BATCH_WEIGHT)
     def small_batch(self) -> None:
-        """A bulk caller: ``BATCH_SIZE`` texts per request."""
-        self.embedder.embed(self.rng.sample(self.texts, BATCH_SIZE))
+        """A bulk caller: ``BATCH_SIZE`` texts per request, drawn at random (a whole batch hardly ever repeats)."""
+        self.embedder.embed(self.rng.choices(self.deck.texts, k=BATCH_SIZE))
 
     def on_stop(self) -> None:
         """Close the client's connections when Locust stops this user."""
