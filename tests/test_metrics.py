@@ -43,3 +43,15 @@ def test_load_log_names_the_buckets(server):
     log = server.config.log_file.read_text()
     line = next(x for x in log.splitlines() if "warmup done" in x)
     assert "10 bucket lengths, eager on cpu (rows exact); lengths [8, 16, 24, 32, 48, 64, 96, 128, 192, 256]" in line
+
+
+def test_the_p99_the_sla_alert_reads_is_published(server):
+    """monitoring/prometheus/alerts.yml's p99-over-SLA alert reads the ensemble's compute-infer summary, which Triton
+    publishes only with ``--metrics-config=summary_latencies=true``: without it, on `make serve`, the alert had no
+    data and stayed silent."""
+    with EmbeddingClient(url=server.grpc_url) as client:
+        client.embed([f"summary latencies {secrets.randbelow(10**6)}"])  # not a cache hit: it reaches the steps
+    samples = scrape(server.metrics_url)
+    p99 = [v for k, v in samples.items() if k.startswith("nv_inference_compute_infer_summary_us{") and
+           'model="embed"' in k and 'quantile="0.99"' in k]  # fmt: skip
+    assert p99 and 0 < p99[0] < 10_000_000, sorted(k for k in samples if "summary" in k)[:10]

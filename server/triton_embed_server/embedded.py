@@ -254,6 +254,8 @@ class EmbeddedServer:
             "--allow-metrics=true",
             f"--metrics-address={c.host}",
             f"--metrics-port={c.metrics_port}",
+            # p50..p99.9 per model, as in docker-compose.yml: the p99-over-SLA alert and the dashboard read them
+            "--metrics-config=summary_latencies=true",
             f"--log-verbose={c.log_verbose}",
         ]
         if c.model_config_name:
