@@ -58,25 +58,39 @@ class Deck:
     Drawing single texts at random with replacement repeats them: in a 60 s run (~9,600 one-text requests from STS-B's
     13,227 distinct sentences) about a third of the requests were response-cache hits, which measured the cache,
     not the model. Dealt from a deck, a one-text request repeats a text only after the whole corpus has been dealt
-    (then the deck is shuffled again). One deck per Locust process (gevent: no locks needed).
+    (then the deck is shuffled again). One deck per Locust process (gevent: no locks needed). The order follows from
+    ``seed`` alone, so a later run (a capacity search's next step) continues where an earlier one stopped by
+    starting at its ``dealt``.
 
     Attributes:
         texts: the distinct texts, in corpus order of first appearance.
+        seed: the order's seed. dealt: texts dealt so far, ``start`` included.
         wraps: how many times the whole deck has been dealt and shuffled again.
     """
 
-    def __init__(self, texts: list[str], rng: random.Random | None = None) -> None:
-        """Raises ``CorpusError`` when ``texts`` is empty."""
+    def __init__(self, texts: list[str], seed: int | None = None, start: int = 0) -> None:
+        """Deal from ``seed``'s order (None: a random seed), skipping its first ``start`` texts.
+
+        Raises:
+            CorpusError: ``texts`` is empty.
+        """
         self.texts = list(dict.fromkeys(texts))
         if not self.texts:
             raise CorpusError("no text to send")
-        self._rng = rng or random.Random()  # noqa: S311 - ordering sentences, not secrets
-        self._order = self._rng.sample(self.texts, len(self.texts))
-        self.wraps = 0
+        self.seed = random.SystemRandom().randrange(2**32) if seed is None else seed
+        self._rng = random.Random(self.seed)  # noqa: S311 - ordering sentences, not secrets
+        self._order = self._shuffled()
+        self.dealt = self.wraps = 0
+        for _ in range(start):
+            self.deal()
+
+    def _shuffled(self) -> list[str]:
+        return self._rng.sample(self.texts, len(self.texts))
 
     def deal(self) -> str:
         """The next text; once all are dealt, the deck is shuffled again first (``wraps`` counts it)."""
         if not self._order:
             self.wraps += 1
-            self._order = self._rng.sample(self.texts, len(self.texts))
+            self._order = self._shuffled()
+        self.dealt += 1
         return self._order.pop()

@@ -37,6 +37,11 @@ def add_options(parser) -> None:
     group.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     group.add_argument("--model", default="embed", help="the ensemble to call")
     group.add_argument("--corpus", default=None, help="text file, one text per line (default: STS-B train+dev)")
+    group.add_argument(
+        "--deck-seed", type=int, default=None,
+        help="order of the one-text requests' texts (default: random); with --deck-start, continue an earlier run",
+    )  # fmt: skip
+    group.add_argument("--deck-start", type=int, default=0, help="texts of --deck-seed's order already sent")
     group.add_argument("--request-timeout-s", type=float, default=10.0, help="per-request timeout, seconds")
     group.add_argument(
         "--send-time",
@@ -67,7 +72,8 @@ def on_init(environment, **_) -> None:
     """
     try:
         environment.corpus = load_corpus(environment.parsed_options.corpus)
-        environment.deck = Deck(environment.corpus)
+        o = environment.parsed_options
+        environment.deck = Deck(environment.corpus, seed=o.deck_seed, start=o.deck_start)
     except CorpusError as exc:
         sys.exit(f"loadtest: {exc} (--corpus FILE)")
     run = LoadRun(environment)

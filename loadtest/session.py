@@ -150,6 +150,7 @@ class LoadRun:
                 f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts, {len(self.env.deck.texts)} distinct)"
             ),
             "send_time": o.send_time,
+            "deck": {"seed": self.env.deck.seed, "dealt": self.env.deck.dealt, "wraps": self.env.deck.wraps},
         }
         data = report.build(
             run=run,

@@ -177,6 +177,12 @@ def test_capacity_search_reports_the_best_passing_step(server, tmp_path):
     assert result["steps"][0]["passed"], result["steps"][0]["line"]
     assert result["best"]["throughput_rps"] == max(s["throughput_rps"] for s in result["steps"] if s["passed"])
     assert f"Capacity: {result['best']['throughput_rps']:.1f} req/s" in done.stdout
+    # a search that never failed says its figure is a lower bound
+    assert ("Every step passed: the capacity is at least this" in done.stdout) == result["steps"][-1]["passed"]
+    # the second step continued the first one's deck: same order, and it went on past the first step's texts
+    decks = [json.loads((tmp_path / "ok" / f"users-{u}" / "report.json").read_text())["run"]["deck"] for u in (1, 3)]
+    assert decks[0]["seed"] == decks[1]["seed"] and 0 < decks[0]["dealt"] < decks[1]["dealt"]
+    assert [s["dealt"] for s in result["steps"]] == [d["dealt"] for d in decks]
 
     done = subprocess.run(
         [*common, "--out", str(tmp_path / "fail"), "--", *args, "--sla-ms", "1"],
