@@ -194,3 +194,46 @@ def timeline(samples: list[Sample], origin_s: float, bin_s: float = 1.0) -> list
             }
         )
     return out
+
+
+def worst_stretch(rows: list[dict], window_t: tuple[float, float], sla_ms: float) -> dict | None:
+    """The window's worst run of bad seconds: consecutive :func:`timeline` rows with a failure or a p99 over ``sla_ms``.
+
+    A verdict can fail on a few seconds (a stall of the machine, a burst of refusals) that the mean per stage hides;
+    this names them, so they can be matched to the plot and the server's log.
+
+    Args:
+        rows: :func:`timeline` rows (``t_s`` since the run's start, 1 s bins).
+        window_t: the judged window, seconds since the run's start ``(from, to)``.
+        sla_ms: the p99 limit, milliseconds.
+
+    Returns:
+        ``{"from_s", "to_s", "failures", "window_failures", "max_p99_ms"}`` of the stretch with the most failures
+        (then the highest p99), ``to_s`` the end of its last second; None when no second of the window was bad.
+    """
+    inside = [r for r in rows if window_t[0] - 1 < r["t_s"] < window_t[1]]
+    stretches: list[list[dict]] = []
+    for row in inside:
+        if row["failures"] or row["p99_ms"] > sla_ms:
+            if stretches and stretches[-1][-1]["t_s"] == row["t_s"] - 1:
+                stretches[-1].append(row)
+            else:
+                stretches.append([row])
+    if not stretches:
+        return None
+    worst = max(stretches, key=lambda st: (sum(r["failures"] for r in st), max(r["p99_ms"] for r in st)))
+    return {
+        "from_s": worst[0]["t_s"],
+        "to_s": worst[-1]["t_s"] + 1,
+        "failures": sum(r["failures"] for r in worst),
+        "window_failures": sum(r["failures"] for r in inside),
+        "max_p99_ms": max(r["p99_ms"] for r in worst),
+    }
+
+
+def stretch_line(stretch: dict) -> str:
+    """``Worst stretch: 13-16 s into the run: 55 of the window's 58 failures, per-second p99 up to 780 ms``."""
+    return (
+        f"Worst stretch: {stretch['from_s']:g}-{stretch['to_s']:g} s into the run: {stretch['failures']} of the "
+        f"window's {stretch['window_failures']} failures, per-second p99 up to {stretch['max_p99_ms']:.0f} ms"
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from triton_embed.server_stats import StepStats
 
-from loadtest.gate import GateResult, Sample, percentiles, timeline, window
+from loadtest.gate import GateResult, Sample, percentiles, stretch_line, timeline, window, worst_stretch
 from loadtest.stages import Stage, culprit
 
 TRITON_FAILURE_COUNTS = 2
@@ -130,6 +130,8 @@ def build(
     embed = steps_run.get("embed")
     triton_requests = embed.requests + embed.failures // TRITON_FAILURE_COUNTS if embed else None
     blamed = culprit(stages)
+    rows = timeline(samples, origin_s=run["started_s"])
+    window_t = (window_s[0] - run["started_s"], window_s[1] - run["started_s"])
     return {
         "run": run,
         "gate": gate.as_dict(),
@@ -151,7 +153,8 @@ def build(
         "culprit": blamed.as_dict() if blamed else None,
         "gpu": gpu,
         "admission": admission if admission and admission.get("timeline") else None,
-        "timeline": timeline(samples, origin_s=run["started_s"]),
+        "timeline": rows,
+        "worst_stretch": worst_stretch(rows, window_t, gate.spec.p99_ms),
     }
 
 
@@ -191,6 +194,12 @@ def _markdown(report: dict) -> str:
     if report["culprit"]:
         c = report["culprit"]
         lines += ["", f"Largest stage: **{c['name']}**, {c['ms']:.1f} ms ({100 * c['share']:.0f}% of the mean)."]
+    if report.get("worst_stretch"):
+        lines += [
+            "",
+            f"{stretch_line(report['worst_stretch'])}: the mean above hides it; see latency.png and the server's log "
+            "for those seconds.",
+        ]
     lines += [
         "",
         "## Triton statistics per step (window)",

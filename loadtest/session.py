@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from triton_embed.server_stats import STEPS, parse
 
 from loadtest import admission, report
-from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, window
+from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, stretch_line, window
 from loadtest.stages import breakdown
 
 log = logging.getLogger("loadtest")
@@ -174,6 +174,8 @@ class LoadRun:
             self.summary.append(
                 f"Largest stage: {blamed['name']}, {blamed['ms']:.1f} ms ({100 * blamed['share']:.0f}% of the mean)"
             )
+        if data["worst_stretch"]:
+            self.summary.append(stretch_line(data["worst_stretch"]))
         hits = report.cache_hit_ratio(data)
         if hits > report.CACHE_WARNING_RATIO:
             wraps = self.env.deck.wraps

@@ -148,6 +148,9 @@ def test_slow_encoder_fails_the_gate_and_is_blamed(slow_encoder_server, tmp_path
     assert report["culprit"]["name"] == "encoder queue"
     assert report["culprit"]["ms"] > 200
     assert "Largest stage: encoder queue" in done.stdout
+    stretch = report["worst_stretch"]  # every second of the window is over the SLA: the stretch is all of it
+    assert stretch["max_p99_ms"] > 200 and stretch["to_s"] - stretch["from_s"] >= 3, stretch
+    assert "Worst stretch: " in done.stdout
     assert report["run"]["send_time"] is True and not report["errors"]
     assert "requests carry their send time (sent_ns)." in (tmp_path / "report.md").read_text()
     assert "Requests carried their send time (--send-time: sent_ns)" in done.stdout

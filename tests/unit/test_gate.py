@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from triton_embed.server_stats import StepStats
 
-from loadtest.gate import Sample, SlaSpec, evaluate, timeline
+from loadtest.gate import Sample, SlaSpec, evaluate, stretch_line, timeline, worst_stretch
 from loadtest.stages import breakdown, culprit
 
 
@@ -59,6 +59,23 @@ def test_timeline_bins_per_second():
     rows = timeline(samples([10.0] * 300, step=0.01), origin_s=100.0)
     assert [r["t_s"] for r in rows] == [0.0, 1.0, 2.0]
     assert [r["rps"] for r in rows] == [100.0, 100.0, 100.0]
+
+
+def test_the_worst_stretch_names_the_seconds_that_failed_the_run():
+    """A new user's failed run: a ~3 s stall held 55 of 58 failures, and the mean per stage did not show it."""
+    latencies = [20.0] * 2000  # 20 s at 100 requests/s
+    latencies[1300:1600] = [780.0] * 300  # seconds 13-15: a stall
+    failed = {1320, 1350, 1410, 1480, 1550, 1590, 500}  # six in the stall, one alone at 5 s
+    rows = timeline(samples(latencies, failed=failed), origin_s=100.0)
+    stretch = worst_stretch(rows, (3.0, 20.0), sla_ms=200.0)
+    assert stretch == {"from_s": 13.0, "to_s": 16.0, "failures": 6, "window_failures": 7, "max_p99_ms": 780.0}
+    assert stretch_line(stretch) == (
+        "Worst stretch: 13-16 s into the run: 6 of the window's 7 failures, per-second p99 up to 780 ms"
+    )
+    assert worst_stretch(rows, (0.0, 12.0), sla_ms=1000.0) == {
+        "from_s": 5.0, "to_s": 6.0, "failures": 1, "window_failures": 1, "max_p99_ms": 20.0
+    }  # fmt: skip
+    assert worst_stretch(timeline(samples([20.0] * 500), origin_s=100.0), (0.0, 5.0), sla_ms=200.0) is None
 
 
 def step(model, requests, *, request_ms, queue=0.0, infer=0.0, cache_hits=0):
