@@ -290,8 +290,8 @@ def _plots(report: dict, folder: Path) -> None:
     panels = 3 if admission else 2
     fig, axes = plt.subplots(panels, 1, figsize=(9, 3 * panels), sharex=True)
     lat, rps = axes[0], axes[1]
-    for key in ("p50_ms", "p95_ms", "p99_ms"):
-        lat.plot(t, [r[key] for r in rows], label=key.split("_")[0])
+    for key in ("p50_ms", "p95_ms", "p99_ms"):  # a second without a success has no latency: a gap, not a 0
+        lat.plot(t, [r[key] if r["rps"] else float("nan") for r in rows], label=key.split("_")[0])
     lat.axhline(report["gate"]["spec"]["p99_ms"], color="red", linestyle="--", label="SLA p99")
     start = report["window"]["start_s"] - report["run"]["started_s"]
     for ax in (lat, rps):
