@@ -61,3 +61,42 @@ def test_cli_reports_missing_model_folder(tmp_path, capsys):
     except SystemExit as exc:
         assert exc.code == 2
     assert "no modules.json" in capsys.readouterr().err
+
+
+def test_without_model_the_exported_model_is_kept_and_default_goes_back(tmp_path, capsys):
+    """`make model MODEL=mine` then `make serve` (which runs `make model` without MODEL) exported the packaged model
+    again, silently: a new user's 128-wide model was replaced by all-MiniLM-L6-v2 (384)."""
+    default = exporter.default_model_path()
+    mine = tmp_path / "mine"
+    shutil.copytree(default, mine)  # a user's own sentence-transformers folder
+    repo = copy_configs(tmp_path / "repo")
+    assert exporter.chosen_model(None, repo) == (default, "")  # nothing exported yet: the packaged one
+    manifest = repo / "encoder" / "1" / exporter.MANIFEST_NAME
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"source": str(mine)}))  # what `make model MODEL=mine` leaves
+    path, note = exporter.chosen_model(None, repo)
+    assert path == mine and "kept the model exported last" in note and "MODEL=default" in note
+    path, note = exporter.chosen_model("default", repo)  # `make test` / `make bench`: the reference model
+    assert path == default and f"replaced the exported {mine}" in note
+    shutil.rmtree(mine)  # the folder is gone: nothing to keep
+    path, note = exporter.chosen_model(None, repo)
+    assert path == default and note == f"replaced the exported {mine} with the packaged all-MiniLM-L6-v2"
+
+
+def test_cli_names_what_is_wrong_with_the_model_path(tmp_path, capsys):
+    (tmp_path / "file.py").write_text("")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "modules.json").write_text("not json")
+    cases = {
+        str(tmp_path / "missing"): "does not exist",
+        str(tmp_path / "file.py"): "is a file; give the sentence-transformers folder",
+        str(tmp_path / "junk"): "modules.json is not valid JSON (Expecting value",
+    }
+    for path, message in cases.items():
+        try:
+            exporter.main(["--model", path, "--repository", str(tmp_path / "repo")])
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"{path} was accepted")
+        assert message in capsys.readouterr().err

@@ -195,10 +195,13 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     diff = np.abs(served - reference).max(axis=1)
     worst = int(diff.argmax())
     if diff[worst] >= MAX_ABS_DIFF:
+        config = getattr(getattr(st[0], "auto_model", None), "config", None)
         raise ExportCheckError(
             f"exported encoder differs from sentence-transformers: max abs diff {diff[worst]:.3g} "
             f"(limit {MAX_ABS_DIFF:g}) on text #{worst} of {len(CHECK_TEXTS[worst])} chars; "
-            f"{int((diff >= MAX_ABS_DIFF).sum())} of {len(CHECK_TEXTS)} texts over the limit"
+            f"{int((diff >= MAX_ABS_DIFF).sum())} of {len(CHECK_TEXTS)} texts over the limit; the exporter serves "
+            f"BERT-like encoders (bidirectional attention, token_type_ids optional), and this model's type is "
+            f"'{getattr(config, 'model_type', '?')}'"
         )
 
     manifest = ExportManifest(
@@ -241,16 +244,60 @@ def _embed_like_server(tokenizer, traced, texts: list[str]):
         return traced(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
 
 
+def chosen_model(requested: str | None, repository: Path) -> tuple[Path, str]:
+    """The folder to export and why: ``(path, note)``, the note empty unless it says something the user should know.
+
+    ``requested``: a folder, ``"default"`` (the packaged all-MiniLM-L6-v2), or None: the model this repository holds
+    (its manifest's source, when that folder is still there), else the packaged one. So ``make serve`` after
+    ``make model MODEL=...`` serves that model; it used to export the default again, silently.
+    """
+    manifest = repository / "encoder" / "1" / MANIFEST_NAME
+    current = Path(json.loads(manifest.read_text())["source"]) if manifest.is_file() else None
+    default = default_model_path()
+    if requested == "default":
+        path = default
+    elif requested:
+        path = Path(requested).resolve()
+    elif current is not None and current != default and (current / "modules.json").is_file():
+        return current, "kept the model exported last (`make model MODEL=default` goes back to all-MiniLM-L6-v2)"
+    else:
+        path = default
+    if current is not None and current != path and path == default:
+        return path, f"replaced the exported {current} with the packaged all-MiniLM-L6-v2"
+    return path, ""
+
+
+def check_model_folder(path: Path) -> str | None:
+    """Why ``path`` is not a sentence-transformers folder, or None when it looks like one (``modules.json`` parses)."""
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is a file; give the sentence-transformers folder (the one holding modules.json)"
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return f"{path} is not a sentence-transformers folder (no modules.json)"
+    try:
+        json.loads(modules.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"{modules} is not valid JSON ({exc})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m triton_embed_server.export [--model PATH] [--repository DIR] [--force]``."""
+    """``python -m triton_embed_server.export [--model PATH|default] [--repository DIR] [--force]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="sentence-transformers folder (default: packaged all-MiniLM-L6-v2)")
+    parser.add_argument(
+        "--model",
+        help="sentence-transformers folder, or 'default' for the packaged all-MiniLM-L6-v2 "
+        "(without it: the model the repository holds, else the packaged one)",
+    )
     parser.add_argument("--repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--force", action="store_true", help="export even if the artifacts are up to date")
     args = parser.parse_args(argv)
-    model_path = Path(args.model).resolve() if args.model else default_model_path()
-    if not (model_path / "modules.json").is_file():
-        parser.error(f"{model_path} is not a sentence-transformers folder (no modules.json)")
+    model_path, note = chosen_model(args.model, args.repository)
+    problem = check_model_folder(model_path)
+    if problem:
+        parser.error(problem)
     up_to_date = not args.force and is_up_to_date(model_path, args.repository)
     try:
         manifest = export(model_path, args.repository, force=args.force)
@@ -263,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling {manifest.pooling}, "
         f"max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g})"
     )
+    if note:
+        print(f"model: {note}")
     return 0
 
 
