@@ -99,7 +99,7 @@ def test_the_wrong_port_for_the_protocol_says_which_port_to_use(server):
                           check=False, env=env)  # fmt: skip
     assert done.returncode != 0 and "is this Triton's gRPC port? HTTP is --http-port" in done.stderr, done.stderr
     done = run_cli("embed", "--protocol", "grpc", "--url", server.http_url, "x")
-    assert done.returncode != 0 and "if this is Triton's HTTP port, use protocol 'http'" in done.stderr, done.stderr
+    assert done.returncode != 0 and "HTTP port, 8000 by default, use protocol 'http'" in done.stderr, done.stderr
 
 
 def test_embed_reads_a_file(server, reference, tmp_path):
@@ -119,13 +119,15 @@ def test_health_reports_ready(server):
     assert down.returncode == 1 and "model_ready=False" in down.stdout and "127.0.0.1:1" in down.stderr
     # the other protocol's port: not just "down", but why (a new user's probe script)
     wrong = run_cli("health", "--url", server.http_url)
-    assert wrong.returncode == 1 and "if this is Triton's HTTP port, use protocol 'http'" in wrong.stderr
+    assert wrong.returncode == 1 and "HTTP port, 8000 by default, use protocol 'http'" in wrong.stderr
     # the metrics port answers 200 to /v2/health/ready too, with an empty body: not a healthy Triton endpoint
     metrics = f"127.0.0.1:{server.config.metrics_port}"
     for command in (("health", "--protocol", "http"), ("embed", "--protocol", "http", "x")):
         done = run_cli(*command, "--url", metrics)
         assert done.returncode == 1 and "is this Triton's metrics port" in done.stderr, (command, done.stderr)
     assert "model_ready=False" in run_cli("health", "--protocol", "http", "--url", metrics).stdout
+    grpc_to_metrics = run_cli("health", "--url", metrics)  # gRPC, the default protocol (a trial's hint named HTTP only)
+    assert grpc_to_metrics.returncode == 1 and "its metrics port, 8002, serves no API" in grpc_to_metrics.stderr
 
 
 def test_stats_table_has_every_step(server):

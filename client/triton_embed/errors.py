@@ -98,7 +98,10 @@ def _hint(message: str) -> str:
             "default; gRPC is --grpc-port, 8001)"
         )
     if "Socket closed" in message:
-        return " (if this is Triton's HTTP port, use protocol 'http'; gRPC is --grpc-port, 8001 by default)"
+        return (
+            " (if this is Triton's HTTP port, 8000 by default, use protocol 'http'; its metrics port, 8002, serves no "
+            "API; gRPC is --grpc-port, 8001 by default)"
+        )
     return ""
 
 

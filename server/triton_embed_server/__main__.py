@@ -90,6 +90,7 @@ def serve(args: argparse.Namespace) -> int:
         f"  metrics {server.metrics_url}\n"
         f"Admin APIs (model repository, shared memory, logging, trace) need header '{server.config.admin_header}'"
         f"{key_note}.\n"
+        f"{_exposure_note(args.host)}"
         f"Ctrl-C stops it.",
         flush=True,
     )
@@ -98,6 +99,17 @@ def serve(args: argparse.Namespace) -> int:
         if not server.is_alive() and not _restart(server, args, stop, restarts):
             return 1
     return _stop(server, "stopping tritonserver ...")
+
+
+def _exposure_note(host: str) -> str:
+    """A warning line when ``host`` is not loopback: the banner's URLs are the local ones, the bind is wider."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return ""
+    wildcard = " (gRPC on every address, IPv6 included)" if host in ("0.0.0.0", "", "::") else ""  # noqa: S104
+    return (
+        f"Bound to {host}: inference, health, metadata, statistics and metrics are open to the network without a "
+        f"key{wildcard}; see the README's 'Threat model'.\n"
+    )
 
 
 def _restart(server: EmbeddedServer, args: argparse.Namespace, stop: StopFlag, restarts: list[float]) -> bool:
