@@ -211,6 +211,10 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
             f"| {best['throughput'] / ceiling['throughput']:.2f} | {x_naive} |"
         )
     for name, data in results["systems"].items():
+        failed = [f"{lv['errors']} at concurrency {lv['concurrency']}" for lv in data["levels"] if lv["errors"]]
+        if failed:  # a level with errors never counts as the best, so the table above does not show them
+            lines.append(f"\n{name}: requests failed ({', '.join(failed)}); those levels were not eligible.")
+    for name, data in results["systems"].items():
         if "avg_encoder_batch" in data:
             lines.append(f"\n{name}: average encoder batch over the run {data['avg_encoder_batch']:.1f} requests.")
     return "\n".join(lines) + "\n"
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = [texts[i] for i in rng.permutation(len(texts))]
     results = {
         "corpus": str(args.corpus or "STS-B train+dev sentences") + f" ({len(texts)} texts)",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, no GPU",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, no GPU",
         "command": "make bench",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "systems": {},

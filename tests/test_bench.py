@@ -39,3 +39,16 @@ def test_variant_keeps_the_artifacts_linked(tmp_path, fixed):
     repo = bench_run.variant_repository(tmp_path / "repo", fixed_length=fixed)
     assert (repo / "encoder" / "1" / "model.pt").resolve().is_file()
     assert (repo / "tokenizer" / "1" / "tokenizer.json").resolve().is_file()
+
+
+def test_levels_with_failed_requests_are_named_under_the_table():
+    """A trial's run had 416 failed requests at one level of triton-fixed128: not eligible, and not shown anywhere."""
+    level = {"concurrency": 1, "throughput": 50.0, "p50_ms": 10.0, "p99_ms": 20.0, "errors": 0, "requests": 400}
+    failed = {**level, "concurrency": 32, "errors": 416}
+    fixed = {"best": level, "levels": [level, failed]}
+    systems = {"naive": {"best": level, "levels": [level]}, "triton-fixed128": fixed}
+    results = {"corpus": "c", "machine": "m", "systems": systems}
+    args = type("Args", (), {"levels": [1, 32], "duration": 5.0})()
+    table = bench_run.markdown(results, {"throughput": 100.0, "single_p50_ms": 5.0, "single_p99_ms": 6.0}, 200.0, args)
+    assert "triton-fixed128: requests failed (416 at concurrency 32); those levels were not eligible." in table
+    assert "naive: requests failed" not in table
