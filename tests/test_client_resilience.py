@@ -72,7 +72,24 @@ def test_open_close_cycles_do_not_grow_memory(server):
     ]
 
 
-def test_unregister_waits_until_the_server_lets_go_of_a_region(server):
+def unregister_by(way: str, server, name: str) -> None:
+    """``unregister(name)`` as the sync clients (:func:`unregister_when_released`) or the asyncio client do it."""
+    if way == "sync":
+        raw = grpcclient.InferenceServerClient(server.grpc_url)
+        unregister_when_released(lambda n: raw.unregister_system_shared_memory(n, headers=server.admin_headers("grpc")),
+                                 name)  # fmt: skip
+        raw.close()
+        return
+
+    async def call():
+        async with AsyncEmbeddingClient(url=server.grpc_url, headers=server.admin_headers("grpc")) as client:
+            await client._unregister_when_released(name)
+
+    asyncio.run(call())
+
+
+@pytest.mark.parametrize("way", ["sync", "asyncio"])
+def test_unregister_waits_until_the_server_lets_go_of_a_region(server, way):
     """Triton 2.51 refuses to unregister a region that a request holds, and lets go of it only after the response is
     sent; a close right after a response (1 in 300 on busy cores) left the region registered on the server."""
     unique = str(time.time_ns())  # no response-cache hit
@@ -81,7 +98,6 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server):
         url=server.grpc_url, use_shared_memory=True, latency_budget_ms=0, timeout_s=60,
         headers=server.admin_headers("grpc"),
     )  # fmt: skip
-    raw = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         with ThreadPoolExecutor(1) as pool:
             slow = pool.submit(client.embed, texts)
@@ -91,14 +107,11 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server):
                 time.sleep(0.01)
             time.sleep(0.5)  # the request reaches the server and takes hold of the region
             (name,) = client._shm.regions
-            unregister_when_released(
-                lambda n: raw.unregister_system_shared_memory(n, headers=server.admin_headers("grpc")), name
-            )
+            unregister_by(way, server, name)
             # served: an unregister that did not wait for the server to let go would have failed the request
             assert slow.result(timeout=60).shape == (64, 384)
         assert name not in server_regions(server.grpc_url, server.admin_headers("grpc"))
     finally:
-        raw.close()
         client.close()
 
 
