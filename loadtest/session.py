@@ -180,7 +180,8 @@ class LoadRun:
         if hits > report.CACHE_WARNING_RATIO:
             wraps = self.env.deck.wraps
             why = (
-                f"this run sent every text of its corpus {wraps + 1} times or more: use a larger --corpus"
+                f"every text of the corpus had been sent (the deck went round {wraps}x) and came again: use a larger "
+                "--corpus"
                 if wraps
                 else "the server had answered these texts before (an earlier run): restart the server"
             )
