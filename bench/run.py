@@ -10,7 +10,8 @@ d. ``triton-buckets``: our service as shipped (length buckets, ragged batching).
 
 b-d get single-sentence requests in a closed loop at increasing concurrency (gRPC for Triton, HTTP/JSON for the
 naive server). Triton runs with the response cache off, so repeated sentences are really computed. Writes
-``docs/benchmarks/latest.{md,json,png}`` and prints the table.
+``bench.{md,json,png}`` into ``--out`` (default ``bench/runs/<time>/``, not tracked by git) and prints the table;
+``--out docs/benchmarks`` replaces the run the docs cite.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.loadgen import Level, best_under_sla, sweep  # noqa: E402
 from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
 
-OUT_DIR = ROOT / "docs" / "benchmarks"
+RUNS_DIR = ROOT / "bench" / "runs"
 
 
 def in_process(texts: list[str], seconds: float) -> dict:
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
     parser.add_argument("--sla-ms", type=float, default=200.0)
     parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets")
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
     args = parser.parse_args(argv)
 
     try:
@@ -289,13 +290,14 @@ def main(argv: list[str] | None = None) -> int:
             **extra,
         }
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
     table = markdown(results, results["ceiling"], args.sla_ms, args)
-    (args.out / "latest.md").write_text(table)
-    (args.out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.sla_ms, args.out / "latest.png")
+    (out / "bench.md").write_text(table)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.sla_ms, out / "bench.png")
     print("\n" + table)
-    print(f"written: {args.out / 'latest.md'}, latest.json, latest.png")
+    print(f"written: {out / 'bench.md'}, bench.json, bench.png")
     return 0
 
 

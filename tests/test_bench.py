@@ -16,15 +16,15 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
         ["--corpus", str(corpus), "--levels", "1,2", "--duration", "0.5", "--out", str(tmp_path / "out")]
     )
     assert code == 0
-    results = json.loads((tmp_path / "out" / "latest.json").read_text())
+    results = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets"}
     for name, data in results["systems"].items():
         assert [lv["concurrency"] for lv in data["levels"]][0] == 1, name  # the sweep may stop early past the SLA
         assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in data["levels"]), name
     assert results["ceiling"]["throughput"] > 0
-    table = (tmp_path / "out" / "latest.md").read_text()
+    table = (tmp_path / "out" / "bench.md").read_text()
     assert "| triton-buckets |" in table and "x ceiling" in table
-    assert (tmp_path / "out" / "latest.png").stat().st_size > 10_000
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 10_000
 
 
 def test_fixed_length_variant_has_a_single_bucket(tmp_path):
