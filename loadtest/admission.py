@@ -16,6 +16,7 @@ The libtorch encoder publishes neither: then nothing is sampled.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import urllib.error
 import urllib.request
@@ -108,26 +109,42 @@ class AdmissionSampler:
 
 
 def per_second(samples: list[AdmissionSample], origin_s: float) -> list[dict]:
-    """Rows for the report's timeline, one per second of the run that has a sample.
+    """Rows for the report's timeline, one per second of the run that the samples cover.
 
-    Each row: ``t_s`` (seconds since ``origin_s``), ``share`` (the least read in that second, None if not published),
-    ``refused_per_s`` and ``shed_per_s`` (counter increases since the previous sample, per second between them).
+    Each row: ``t_s`` (the second, counted from ``origin_s`` as the latency timeline counts it), ``share`` (the
+    least read at the end of that second, None if not published or not read there), ``refused_per_s`` and
+    ``shed_per_s``. A counter's increase between two reads is spread evenly over the time between them, so a read
+    that came late (the sampler shares the cores with Locust) leaves no second without a bar: each second it
+    spanned gets the mean rate.
     """
     rows: dict[int, dict] = {}
+
+    def row(second: int) -> dict:
+        return rows.setdefault(second, {"share": None, "refused": 0.0, "shed": 0.0, "s": 0.0})
+
     for before, now in zip(samples, samples[1:], strict=False):
-        elapsed = max(1e-3, now.time_s - before.time_s)
-        row = rows.setdefault(int(now.time_s - origin_s), {"share": None, "refused": 0.0, "shed": 0.0, "s": 0.0})
+        start, end = before.time_s - origin_s, now.time_s - origin_s
+        elapsed = max(1e-3, end - start)
+        refused_rate = max(0, now.refused - before.refused) / elapsed
+        shed_rate = max(0, now.shed - before.shed) / elapsed
+        second = math.floor(start)
+        while second < end or second == math.floor(start):
+            overlap = min(end, second + 1) - max(start, second)
+            if overlap > 0:
+                r = row(second)
+                r["refused"] += refused_rate * overlap
+                r["shed"] += shed_rate * overlap
+                r["s"] += overlap
+            second += 1
         if now.share is not None:
-            row["share"] = now.share if row["share"] is None else min(row["share"], now.share)
-        row["refused"] += max(0, now.refused - before.refused)
-        row["shed"] += max(0, now.shed - before.shed)
-        row["s"] += elapsed
+            last = row(math.ceil(end) - 1)  # the second that ``now`` closes
+            last["share"] = now.share if last["share"] is None else min(last["share"], now.share)
     return [
         {
             "t_s": float(t),
             "share": r["share"],
-            "refused_per_s": r["refused"] / r["s"],
-            "shed_per_s": r["shed"] / r["s"],
+            "refused_per_s": r["refused"] / r["s"] if r["s"] else 0.0,
+            "shed_per_s": r["shed"] / r["s"] if r["s"] else 0.0,
         }
         for t, r in sorted(rows.items())
     ]

@@ -125,7 +125,7 @@ def test_admission_samples_become_per_second_rows_and_a_window_summary(tmp_path)
     assert samples[2] == admission.AdmissionSample(102.0, 0.25, 30, 2)
     assert admission.parse('nv_inference_count{model="embed"} 5\n', 100.0) is None  # no admission control published
     rows = admission.per_second(samples, origin_s=100.0)
-    assert [r["t_s"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["t_s"] for r in rows] == [0.0, 1.0, 2.0, 3.0]  # the read at 102 s closes second 1 (101-102 s)
     assert [r["refused_per_s"] for r in rows] == [0.0, 30.0, 20.0, 0.0] and rows[1]["share"] == 0.25
     window = admission.summary(samples, (101.0, 104.0))
     assert window == {"refused": 50, "shed": 3, "min_share": 0.25, "below_full_s": 2.0, "window_s": 3.0}
@@ -136,3 +136,36 @@ def test_admission_samples_become_per_second_rows_and_a_window_summary(tmp_path)
     assert "The tokenizer refused 50 requests and the encoder shed 3 in the window's 3 s." in text
     assert "with 25% of the latency budget at the lowest, and with less than all of it for 2 s" in text
     assert (tmp_path / "latency.png").stat().st_size > 1000
+
+
+def test_a_late_admission_read_spreads_its_refusals_over_the_seconds_it_spanned():
+    from loadtest import admission
+
+    reads = [(100.0, 1.0, 0, 0), (101.0, 0.5, 0, 0), (104.0, 0.3, 30, 6), (104.5, 0.3, 35, 6)]
+    samples = [admission.parse(SCRAPE.format(share=sh, refused=r, shed=d), t) for t, sh, r, d in reads]
+    rows = admission.per_second(samples, origin_s=100.0)
+    assert [r["t_s"] for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]  # no second without a row: 102 and 103 were missed
+    assert [r["refused_per_s"] for r in rows] == [0.0, 10.0, 10.0, 10.0, 10.0]
+    assert [r["shed_per_s"] for r in rows] == [0.0, 2.0, 2.0, 2.0, 0.0]
+    assert [r["share"] for r in rows] == [0.5, None, None, 0.3, 0.3]
+
+
+def test_stage_total_row_explains_a_sum_past_100_percent(tmp_path):
+    # The steps' means (15 ms each) exceed the ensemble's (15 ms): the overhead residual is clamped at 0.
+    steps = {"embed": step("embed", 200), "tokenizer": step("tokenizer", 200), "encoder": step("encoder", 200)}
+    report.write(make(steps), tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "| total | 27.00 | 135% |" in text
+    assert "The stages add up to 135.0% of the client's mean" in text
+
+
+def test_stage_total_row_is_quiet_when_the_stages_add_up(tmp_path):
+    def stats(model, request_ms, queue_ms, infer_ms):
+        return StepStats(model, 200, 0, request_ms, 200, 200, queue_ms, 0.0, infer_ms, 0.0, 0)
+
+    steps = {"embed": stats("embed", 15.0, 0.0, 0.0), "tokenizer": stats("tokenizer", 5.5, 0.5, 5.0)}
+    steps["encoder"] = stats("encoder", 5.5, 0.5, 5.0)
+    report.write(make(steps), tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "| ensemble overhead | 4.00 | 20% |" in text and "| total | 20.00 | 100% |" in text
+    assert "The stages add up to" not in text
