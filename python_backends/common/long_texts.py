@@ -36,7 +36,9 @@ def margin_chars(tokenizer) -> int | None:
     return 2 * int(model.max_input_chars_per_word) + 1
 
 
-def encode_heads(tokenizer, texts: list[str], margin: int | None, head_chars: int = HEAD_CHARS) -> list:
+def encode_heads(
+    tokenizer, texts: list[str], margin: int | None, head_chars: int = HEAD_CHARS
+) -> tuple[list, list[int]]:
     """``tokenizer.encode_batch(texts)`` (special tokens added, truncation as configured), long texts from their head.
 
     Args:
@@ -46,22 +48,26 @@ def encode_heads(tokenizer, texts: list[str], margin: int | None, head_chars: in
         head_chars: the head's length, characters.
 
     Returns:
-        one ``tokenizers.Encoding`` per text, in order. For a text tokenized from its head, ``ids`` and
-        ``attention_mask`` equal the whole text's and ``overflowing`` is non-empty (it was truncated), but the
-        overflowing windows cover the head only.
+        ``(encodings, chars)``: one ``tokenizers.Encoding`` per text, in order, and the characters tokenized for
+        each (the head's length for a text read from its head; the head plus the whole text for one whose head did
+        not suffice): what its tokenization cost, which grows about linearly with them. For a text tokenized from
+        its head, ``ids`` and ``attention_mask`` equal the whole text's and ``overflowing`` is non-empty (it was
+        truncated), but the overflowing windows cover the head only.
     """
     if margin is None:
-        return tokenizer.encode_batch(texts, add_special_tokens=True)
+        return tokenizer.encode_batch(texts, add_special_tokens=True), [len(text) for text in texts]
     cut = [len(text) > head_chars for text in texts]
     encodings = tokenizer.encode_batch(
         [text[:head_chars] if long else text for text, long in zip(texts, cut, strict=True)], add_special_tokens=True
     )
+    chars = [min(len(text), head_chars) for text in texts]
     redo = [i for i, long in enumerate(cut) if long and not _head_suffices(encodings[i], head_chars - margin)]
     if redo:
         whole = tokenizer.encode_batch([texts[i] for i in redo], add_special_tokens=True)
         for i, encoding in zip(redo, whole, strict=True):
             encodings[i] = encoding
-    return encodings
+            chars[i] += len(texts[i])
+    return encodings, chars
 
 
 def _head_suffices(encoding, last_end: int) -> bool:

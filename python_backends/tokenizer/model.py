@@ -115,18 +115,19 @@ def decode_texts(tensor, max_bytes: int) -> list[str]:
     return texts
 
 
-def own_work_ns(texts_per_request: list[list[str] | None], work_ns: int) -> list[int]:
-    """Each request's share of ``work_ns`` (this execute's decoding and tokenization, ns) by its characters.
+def own_work_ns(chars_per_request: list[int], work_ns: int) -> list[int]:
+    """Each request's share of ``work_ns`` (this execute's decoding and tokenization, ns) by characters tokenized.
+
+    ``chars_per_request``: the characters tokenized for each request (``long_texts.encode_heads``: a long text read
+    from its head counts its head), 0 for a request that failed decoding.
 
     The encoder does not count a request's share as waiting (``tokenize_ns``): 32 texts of 65,000 characters without
     a space take ~0.5 s to tokenize into one token each, so an idle server shed them at every try as "waited 522 ms"
-    (a new user's trial). Tokenization time grows about linearly with the characters (a text read from its head,
-    ``long_texts.py``, costs less than its share says, which only matters beside other requests in one execute); the
-    rest of the execute (the other requests' texts) still counts as waiting.
+    (a new user's trial). Tokenization time grows about linearly with the characters tokenized; the rest of the
+    execute (the other requests' texts) still counts as waiting.
     """
-    chars = [sum(map(len, texts)) if texts else 0 for texts in texts_per_request]
-    total = sum(chars)
-    return [work_ns * n // total if total else 0 for n in chars]
+    total = sum(chars_per_request)
+    return [work_ns * n // total if total else 0 for n in chars_per_request]
 
 
 def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -217,12 +218,14 @@ class TritonPythonModel:
                 texts_per_request.append(None)
 
         flat = [t for texts in texts_per_request if texts for t in texts]
-        encodings = encode_heads(self.tokenizer, flat, self._head_margin) if flat else []  # long texts: their head
+        # long texts: their head
+        encodings, chars = encode_heads(self.tokenizer, flat, self._head_margin) if flat else ([], [])
         if len(encodings) != len(flat):
             raise pb_utils.TritonModelException(f"tokenizer returned {len(encodings)} encodings for {len(flat)} texts")
-        own_ns = own_work_ns(texts_per_request, time.monotonic_ns() - arrival_ns)
-        rows = iter(encodings)
+        rows, tokenized = iter(encodings), iter(chars)
         per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
+        chars_per_request = [sum(next(tokenized) for _ in texts) if texts else 0 for texts in texts_per_request]
+        own_ns = own_work_ns(chars_per_request, time.monotonic_ns() - arrival_ns)
 
         for i, encs in enumerate(per_request):
             if encs is None:

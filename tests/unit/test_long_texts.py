@@ -61,7 +61,7 @@ def cases() -> dict[str, str]:
 def test_the_head_gives_the_whole_texts_ids(tokenizer, name):
     text = cases()[name]
     whole = tokenizer.encode_batch([text], add_special_tokens=True)[0]
-    head = encode_heads(tokenizer, [text], margin_chars(tokenizer))[0]
+    head = encode_heads(tokenizer, [text], margin_chars(tokenizer))[0][0]
     assert head.ids == whole.ids and head.attention_mask == whole.attention_mask, name
     assert bool(head.overflowing) == bool(whole.overflowing), name  # truncate=false turns this into an error
 
@@ -69,7 +69,7 @@ def test_the_head_gives_the_whole_texts_ids(tokenizer, name):
 def test_a_batch_keeps_its_order(tokenizer):
     texts = [words(random.Random(i), 60_000) for i in range(4)] + ["short one", "ACGT" * 16_000, "y " * 5_000]
     whole = tokenizer.encode_batch(texts, add_special_tokens=True)
-    heads = encode_heads(tokenizer, texts, margin_chars(tokenizer))
+    heads, _ = encode_heads(tokenizer, texts, margin_chars(tokenizer))
     assert [h.ids for h in heads] == [w.ids for w in whole]
 
 
@@ -79,3 +79,13 @@ def test_other_tokenizer_models_are_tokenized_whole(tokenizer):
     bpe = Tokenizer(models.BPE())
     assert margin_chars(bpe) is None
     assert margin_chars(tokenizer) == 201
+
+
+def test_the_characters_tokenized_count_the_head_not_the_whole_text(tokenizer):
+    """What a request's share of the tokenizer's time is weighed by (the encoder does not count it as waiting)."""
+    read_whole = "ACGT" * 16_000  # one 64,000-character word: its head is one [UNK], too few tokens, so read whole
+    texts = ["short one", words(random.Random(1), 60_000), read_whole]
+    _, chars = encode_heads(tokenizer, texts, margin_chars(tokenizer))
+    assert chars == [len("short one"), HEAD_CHARS, HEAD_CHARS + len(read_whole)]
+    _, chars = encode_heads(tokenizer, texts, margin=None)  # not WordPiece: every text whole
+    assert chars == [len(text) for text in texts]
