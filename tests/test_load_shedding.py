@@ -84,6 +84,15 @@ def tokenizer_refusals(server) -> float:
     return scrape(server.metrics_url).get('triton_embed_shed_requests_total{model="tokenizer"}', 0.0)
 
 
+def encoder_runs(server, within_s: float = 10.0) -> None:
+    """Wait until an encoder instance publishes a running execution (its load board, as the tokenizer reads it)."""
+    board = LoadReader(server.pid, "encoder")
+    deadline = time.monotonic() + within_s
+    while not any(load.running_since_ns for load in board.read(time.monotonic_ns())):
+        assert time.monotonic() < deadline, f"the encoder started no execution within {within_s} s"
+        time.sleep(0.005)
+
+
 def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_server):
     # 64 texts cut at 256 tokens: ~2 s of encoder work on 2 CPU cores; budget 0, so the bulk job itself is never shed.
     bulk_texts = [f"bulk {i} " + "several words of a long document " * 60 for i in range(64)]
@@ -94,7 +103,7 @@ def test_the_tokenizer_refuses_at_once_a_request_queued_behind_a_bulk_job(late_s
         EmbeddingClient(url=late_server.grpc_url, retries=0) as interactive,
     ):
         job = pool.submit(bulk.embed, bulk_texts)
-        time.sleep(0.3)  # the bulk request is through the tokenizer
+        encoder_runs(late_server)  # the bulk request is through the tokenizer (a fixed 0.3 s was short once)
         with pytest.raises(ServerUnavailableError, match="LATENCY_BUDGET_MS") as caught:
             interactive.embed(["an interactive request behind the bulk job"])
         assert "of work before this request's batch" in str(caught.value)
