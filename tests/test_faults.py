@@ -19,7 +19,7 @@ from helpers import drained_requests, embed_until_answered, kill_stub_mid_reques
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
-from triton_embed_server.supervisor import STARTUP_INTERVAL_S, stub_processes
+from triton_embed_server.supervisor import STARTUP_INTERVAL_S, StubWatchdog, proc_state, stub_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends" / "common"))
 from loadboard import board_dir  # noqa: E402
@@ -152,6 +152,39 @@ def test_a_stub_killed_while_the_server_still_loads_is_replaced(tmp_path, refere
         served, _ = embed_until_answered(server.grpc_url, "after a stub died during the load", within_s=30)
         np.testing.assert_allclose(served, reference_embed(reference, ["after a stub died during the load"]), atol=1e-5)
         assert [model for model, _ in server.watchdog.reloads] == ["tokenizer"]
+    finally:
+        server.stop()
+
+
+def test_a_stub_that_died_before_the_watchdog_saw_it_is_replaced(tmp_path, reference):
+    """A stub that dies within one look of its start (0.25 s while the server loads) was never reloaded: the
+    watchdog knew only stubs it had seen alive. It now counts live stubs per model once the server is ready. Here
+    the watchdog starts after the kill, so it has never seen the dead stub."""
+    server = EmbeddedServer(
+        http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log", watch_stubs=False
+    ).start()
+    try:
+        server.wait_ready()
+        (stub,) = [pid for pid, model in stub_processes(server.pid).items() if model == "tokenizer"]
+        os.kill(stub, signal.SIGKILL)
+        while proc_state(stub).running:  # the kill takes a moment: a watchdog started before would see it alive
+            time.sleep(0.01)
+        watchdog = StubWatchdog(
+            server_pid=server.pid,
+            http_url=server.http_url,
+            admin_header=server.config.admin_header,
+            admin_key=server.config.admin_key,
+        ).start()
+        try:
+            assert stub not in watchdog._known  # never seen alive
+            served, _ = embed_until_answered(server.grpc_url, "after an unseen stub died", within_s=30)
+            expected = reference_embed(reference, ["after an unseen stub died"])
+            np.testing.assert_allclose(served, expected, atol=1e-5)
+            assert [model for model, _ in watchdog.reloads] == ["tokenizer"]  # the encoder was not short
+            time.sleep(3 * watchdog.interval_s)
+            assert [model for model, _ in watchdog.reloads] == ["tokenizer"]  # and once only
+        finally:
+            watchdog.stop()
     finally:
         server.stop()
 

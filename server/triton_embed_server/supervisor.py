@@ -3,10 +3,11 @@
 Triton 2.51's Python backend does not restart a stub that was killed (out of memory, SIGKILL): the model stays
 READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
 machines). The watchdog polls the server's child processes once a second, every 0.25 s from the server's start
-until it is ready (a stub that dies within 0.25 s of its own start is missed); when a stub has died, it reloads
-that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's current
-config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old instance
-keeps answering), using the admin header.
+until it is ready; when a stub has died, it reloads that model through the model repository API (``POST
+/v2/repository/models/<m>/load`` with the model's current config plus a fresh ``TRITON_EMBED_RELOAD`` parameter
+as override, which forces a new load while the old instance keeps answering), using the admin header. A stub that
+died before any look saw it (within 0.25 s of its own start) is a dead stub child it does not know: once the
+server is ready, the models with fewer live stubs than instances are reloaded (:meth:`StubWatchdog._short_of_stubs`).
 
 "Died" means the stub is a zombie child of ``tritonserver``: Triton 2.51 does not reap a stub that crashed, while
 one that Triton stops itself (an unload, an operator's reload, the watchdog's own reload, shutdown) is reaped at
@@ -35,8 +36,8 @@ from typing import NamedTuple
 
 log = logging.getLogger("triton_embed_server")
 STUB_NAME = "triton_python_backend_stub"
-# Between looks until the server is ready. A stub that dies sooner after its start is never known, so not reloaded:
-# the tokenizer's stub loads its model in ~0.15 s (the encoder's in seconds).
+# Between looks until the server is ready (the tokenizer's stub loads its model in ~0.15 s, the encoder's in seconds).
+# A stub that dies sooner after its start is caught once the server is ready, by counting stubs per model.
 STARTUP_INTERVAL_S = 0.25
 ADMIN_HEADER = "triton-embed-admin-key"  # the admin APIs' header, here and in docker/triton-entrypoint.sh
 
@@ -210,6 +211,7 @@ class StubWatchdog:
         self.interval_s = interval_s
         self.reloads: list[tuple[str, float]] = []
         self._known: dict[int, str] = {}
+        self._unknown_dead: set[int] = set()  # dead stubs never seen alive, already counted for
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="triton-embed-stub-watchdog", daemon=True)
 
@@ -237,6 +239,8 @@ class StubWatchdog:
                 if not ready and server_answers(self.http_url, "ready"):
                     ready = True
                     log.info("server ready; watching the stubs of: %s", ", ".join(sorted(set(known.values()))))
+                if ready:
+                    self._catch_unknown(known)
             except Exception:  # the watchdog must outlive any one bad tick
                 log.exception("stub watchdog tick failed")
 
@@ -264,6 +268,57 @@ class StubWatchdog:
             if pid not in dead and pid not in alive and _zombie_child(pid, self.server_pid)
         }
         return alive | failed | late
+
+    def _catch_unknown(self, known: dict[int, str], confirm_s: float = 0.25) -> None:
+        """Reload the models a dead stub it never saw alive left short (it died within a look of its start).
+
+        A zombie stub child of the server that is not in ``known`` is such a stub (a zombie has no command line
+        left to name its model), once it is still there ``confirm_s`` later (a stub Triton stops is a zombie only
+        until Triton reaps it). The models short of stubs (:meth:`_short_of_stubs`) are reloaded, which reaps it.
+        """
+        unknown = set(dead_stub_children(self.server_pid)) - set(known) - self._unknown_dead
+        if not unknown:
+            return
+        time.sleep(confirm_s)
+        unknown &= set(dead_stub_children(self.server_pid))
+        if not unknown:
+            return
+        short = self._short_of_stubs()
+        if short is None:  # the server did not answer: look again next time
+            return
+        log.warning("stub process %s died before it was watched; short of stubs: %s",
+                    ", ".join(map(str, sorted(unknown))), ", ".join(short) or "no model")  # fmt: skip
+        if all([self._reload(model) for model in short]):
+            self._unknown_dead |= unknown  # counted for: not again, even if Triton never reaps it
+
+    def _short_of_stubs(self) -> list[str] | None:
+        """READY models of a Python-based backend (config ``runtime: model.py``) with fewer live stubs than instances.
+
+        Instances: the config's ``instance_group`` counts, each times its GPUs (at least 1). None when the server
+        did not answer (the repository index is an admin API: the watchdog's header unlocks it).
+        """
+        base = f"http://{self.http_url}/v2"
+        try:
+            request = urllib.request.Request(  # noqa: S310 - our own loopback server
+                f"{base}/repository/index", data=b"{}", method="POST", headers={self.admin_header: self.admin_key}
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+                index = json.loads(response.read())
+            alive = list(stub_processes(self.server_pid).values())
+            short = []
+            for model in sorted({entry["name"] for entry in index if entry.get("state") == "READY"}):
+                with urllib.request.urlopen(f"{base}/models/{model}/config", timeout=10) as response:  # noqa: S310
+                    config = json.loads(response.read())
+                if config.get("runtime") != "model.py":
+                    continue
+                groups = config.get("instance_group") or [{}]
+                instances = sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups)
+                if alive.count(model) < instances:
+                    short.append(model)
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+            log.error("counting the stubs per model failed: %s", exc)
+            return None
+        return short
 
     def _reload(self, model: str) -> bool:
         """Reload ``model`` with its current config (see the module docstring); False if that failed."""
