@@ -84,8 +84,8 @@ def _hint(message: str) -> str:
     """
     if "Exceeds maximum queue size" in message:
         return (
-            " (the tokenizer's queue is full: max_queue_size in tokenizer/config.pbtxt, 512 requests as shipped; "
-            "retry with backoff)"
+            " (a step's queue is full: the max_queue_size of a default_queue_policy added to a model config; the "
+            "shipped configs have none; retry with backoff)"
         )
     if "Expected HTTP/" in message:
         return (

@@ -12,5 +12,6 @@ def test_a_full_queue_names_the_queue_and_its_limit():
     raw = InferenceServerException(msg=message, status="StatusCode.UNAVAILABLE")
     error = from_triton(raw, model="embed", url="127.0.0.1:8001")
     assert isinstance(error, ServerUnavailableError)
-    assert "Exceeds maximum queue size (the tokenizer's queue is full: max_queue_size in" in str(error)
-    assert "512 requests as shipped" in str(error)
+    assert "Exceeds maximum queue size (a step's queue is full: the max_queue_size of a default_queue_policy" in str(
+        error
+    )

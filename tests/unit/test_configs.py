@@ -45,11 +45,11 @@ def test_every_encoder_on_our_backend_takes_the_optional_arrival_stamp_and_a_lat
     assert {"arrival_ns", "tokenize_ns"} <= tokenizer_outputs
 
 
-def test_tokenizer_bounds_its_queue_and_encoder_has_no_queue_policy():
-    encoder = text_format.Parse((REPO / "encoder" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    assert not encoder.dynamic_batching.HasField("default_queue_policy")  # 500 ms stalls on 2.51, see the config
-    tokenizer = text_format.Parse((REPO / "tokenizer" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    assert tokenizer.dynamic_batching.default_queue_policy.max_queue_size > 0
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(REPO)) for p in CONFIGS])
+def test_no_model_has_a_queue_policy(path):
+    """Triton 2.51 leaves requests waiting 500 ms in a queue that has one (see the configs; docs/benchmarks.md)."""
+    config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    assert not config.dynamic_batching.HasField("default_queue_policy")
 
 
 def test_the_tokenizer_admits_against_the_encoder_the_ensemble_feeds_it_to():
