@@ -55,6 +55,18 @@ def test_non_utf8_stdin_is_a_clear_error_naming_the_line_and_byte(server):
     assert "0xff" in stderr
 
 
+@pytest.mark.parametrize("command", ["embed", "similarity"])
+def test_a_non_utf8_argument_is_a_clear_error_naming_the_byte(server, command):
+    """An argument that is not UTF-8 gave a raw UnicodeEncodeError (a new user's trial)."""
+    texts = [b"good", b"ok\xffbad"]
+    done = subprocess.run(
+        [*CLI, command, "--url", server.grpc_url, *texts], capture_output=True, timeout=120, check=False
+    )
+    stderr = done.stderr.decode()
+    assert done.returncode == 1, stderr
+    assert "InvalidInputError: texts[1] is not valid UTF-8: byte 0xff at offset 2" in stderr, stderr
+
+
 def test_a_server_side_error_names_the_input_line(server):
     lines = "\n".join(["first", "second", "x" * 70_000, "fourth"]) + "\n"  # line 3 is over MAX_TEXT_BYTES
     done = run_cli("embed", "--url", server.grpc_url, stdin=lines)

@@ -69,12 +69,27 @@ def _with_line_numbers(message: str) -> str:
     return re.sub(r"texts\[(\d+)\]", lambda m: f"{m.group(0)} (input line {int(m.group(1)) + 1})", message)
 
 
+def _argument_text(text: str) -> str | bytes:
+    """A text given as a command-line argument; one that is not valid UTF-8 as its original bytes.
+
+    Python decodes such an argument with ``surrogateescape``, and the UTF-8 encoding of it then failed with a raw
+    ``UnicodeEncodeError``; as bytes, the client names the byte and its offset, as it does for stdin.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(text)
+    return text
+
+
 def _embed(client: EmbeddingClient, args: argparse.Namespace) -> int:
     """``embed``: one vector (or JSON row) per text, in input order."""
     # one text per line of --file or stdin, blank lines included (they embed the empty string), so output line i
     # always belongs to input line i; lines are read as bytes: the client checks their UTF-8 and names the byte
     from_lines = not args.texts
-    texts = args.texts or [line.rstrip(b"\r\n") for line in (args.file or sys.stdin.buffer)]
+    texts = [_argument_text(t) for t in args.texts] or [
+        line.rstrip(b"\r\n") for line in (args.file or sys.stdin.buffer)
+    ]
     try:
         vectors = client.embed(texts)
     except EmbeddingError as exc:
@@ -103,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout, latency_budget_ms=budget
         ) as client:
             if args.command == "similarity":
-                score = client.similarity(args.a, args.b)
+                score = client.similarity(_argument_text(args.a), _argument_text(args.b))
                 print(json.dumps({"a": args.a, "b": args.b, "cosine": score}) if args.json else f"{score:.6f}")
                 return 0
             if args.command == "health":
