@@ -48,7 +48,12 @@ BAD_INPUTS = [
         "over_max_seq_length_without_truncation",
         # a text no other test sends: a truncated answer to it in the response cache would be served instead
         {"array": texts(b"refused " + b"word " * 400), "params": {"truncate": False}},
-        ["'TEXT' row 0 has more than 256 tokens", "truncation is off"],
+        ["'TEXT' row 0 has 403 tokens; the limit is 256 (the model's max_seq_length)", "truncation is off"],
+    ),
+    (
+        "over_max_seq_length_read_from_its_head",  # over 4,096 characters: only its head is tokenized
+        {"array": texts(b"refused from its head " + b"word " * 2000), "params": {"truncate": False}},
+        ["'TEXT' row 0 has at least ", " tokens; the limit is 256", "truncation is off"],
     ),
     (
         "truncate_not_a_bool",
@@ -83,10 +88,11 @@ def test_long_texts_are_truncated_by_default_and_on_request(server, reference):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_the_clients_truncate_option_reaches_the_server(server, reference, protocol):
     long = f"client {protocol} " + "token " * 400  # a text no other test sends (the cache would answer it)
+    tokens = {"grpc": 405, "http": 404}  # [CLS] client grpc (2 tokens) / http (1) token x 400 [SEP]
     url = server.grpc_url if protocol == "grpc" else server.http_url
     with (
         EmbeddingClient(url=url, protocol=protocol, truncate=False) as strict,
-        pytest.raises(InvalidInputError, match="row 0 has more than 256 tokens"),
+        pytest.raises(InvalidInputError, match=f"row 0 has {tokens[protocol]} tokens; the limit is 256"),
     ):
         strict.embed([long])
     with EmbeddingClient(url=url, protocol=protocol, truncate=True) as cutting:

@@ -130,6 +130,15 @@ def own_work_ns(chars_per_request: list[int], work_ns: int) -> list[int]:
     return [work_ns * n // total if total else 0 for n in chars_per_request]
 
 
+def token_count(encoding, special_tokens: int) -> int:
+    """Tokens of a truncated text, special tokens included once, as the model would see it whole.
+
+    ``encoding``: a ``tokenizers.Encoding`` truncated with stride 0; its ``overflowing`` windows hold the rest,
+    each with the ``special_tokens`` ([CLS] and [SEP] for BERT: 2) added again.
+    """
+    return sum(len(window.ids) - special_tokens for window in (encoding, *encoding.overflowing)) + special_tokens
+
+
 def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Pad token id lists to the longest one.
 
@@ -161,6 +170,7 @@ class TritonPythonModel:
         padding = self.tokenizer.padding
         self.pad_id = padding["pad_id"] if padding else 0
         self.tokenizer.no_padding()  # we pad per request, not to the longest text of the whole execution
+        self._special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)  # [CLS] [SEP]: 2
         self._head_margin = margin_chars(self.tokenizer)  # None: not WordPiece, every text is tokenized whole
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         self.max_text_bytes = int(params.get("MAX_TEXT_BYTES", "65536"))
@@ -224,8 +234,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"tokenizer returned {len(encodings)} encodings for {len(flat)} texts")
         rows, tokenized = iter(encodings), iter(chars)
         per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
-        chars_per_request = [sum(next(tokenized) for _ in texts) if texts else 0 for texts in texts_per_request]
-        own_ns = own_work_ns(chars_per_request, time.monotonic_ns() - arrival_ns)
+        chars_of = [None if texts is None else [next(tokenized) for _ in texts] for texts in texts_per_request]
+        own_ns = own_work_ns([sum(c) if c else 0 for c in chars_of], time.monotonic_ns() - arrival_ns)
 
         for i, encs in enumerate(per_request):
             if encs is None:
@@ -238,9 +248,11 @@ class TritonPythonModel:
             if not truncates:
                 long = next((row for row, e in enumerate(encs) if e.overflowing), None)
                 if long is not None:
+                    whole = chars_of[i][long] >= len(texts_per_request[i][long])  # else read from its head
                     errors[i] = (
-                        f"input '{INPUT}' row {long} has more than {self.max_tokens} tokens (the model's "
-                        "max_seq_length) and truncation is off for this request"
+                        f"input '{INPUT}' row {long} has {'' if whole else 'at least '}"
+                        f"{token_count(encs[long], self._special_tokens)} tokens; the limit is {self.max_tokens} "
+                        "(the model's max_seq_length) and truncation is off for this request"
                     )
         refusals = self._admit(requests, per_request, errors, arrival_ns, wall_ns, parameters=parameters)
         responses = []
