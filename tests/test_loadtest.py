@@ -80,7 +80,8 @@ def test_report_has_the_servers_admission_timeline(grpc_run):
     _, report, _, _, folder = grpc_run
     timeline, window = report["admission"]["timeline"], report["admission"]["window"]
     assert len(timeline) >= 15, timeline  # a 20 s run, one read a second
-    assert all(0.25 <= row["share"] <= 1.0 for row in timeline), timeline
+    shares = [row["share"] for row in timeline if row["share"] is not None]  # None: a second a late read spanned
+    assert len(shares) >= 14 and all(0.25 <= share <= 1.0 for share in shares), timeline
     # 4 users are within capacity: the gate saw no failure, so the server refused none
     assert window["refused"] == 0 and window["shed"] == 0 and 14 <= window["window_s"] <= 18
     assert "## Admission control (window)" in (folder / "report.md").read_text()
