@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import urllib.error
 import urllib.request
@@ -86,6 +87,23 @@ def test_a_server_side_error_names_the_callers_index_not_the_row_of_its_request(
     assert f"row {row} has 70000 bytes; the limit is 65536 bytes" in message, message
     assert message.endswith(f"(texts[{index}] of this call)") and info.value.text == texts[index]
     assert isinstance(info.value.__cause__, InferenceServerException)  # the tritonclient error, as documented
+
+
+def test_a_failed_coalesced_async_call_raises_without_asyncio_logging_its_futures(server):
+    """Each distinct text's future got the exception and nobody awaited it: asyncio logged "Future exception was
+    never retrieved" with a traceback per text, hundreds under overload (a new user's trial)."""
+    logged = []
+
+    async def call() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: logged.append(context["message"]))
+        async with AsyncEmbeddingClient(url=server.grpc_url, coalesce=True) as client:
+            with pytest.raises(InvalidInputError):
+                await client.embed(["fine and coalesced", "x" * 70_000])  # over MAX_TEXT_BYTES: the server refuses
+        gc.collect()  # a never-retrieved exception is logged when its future is collected
+        await asyncio.sleep(0)
+
+    asyncio.run(call())
+    assert logged == []
 
 
 def test_client_rejects_non_text_before_sending(server):

@@ -33,6 +33,9 @@ def _fail(mine: dict, exc: BaseException) -> None:
     for future in mine.values():
         if not future.done():
             future.set_exception(exc)
+            # Read back at once: the caller raises ``exc`` itself, and a future no other call awaits made asyncio
+            # log "Future exception was never retrieved" with a traceback per distinct text (a new user's trial).
+            future.exception()
 
 
 class Coalescer:
