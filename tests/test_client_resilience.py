@@ -144,6 +144,36 @@ def test_a_timeout_is_a_timeout_error_and_is_not_retried(server, protocol):
         drain.embed([f"after the timeout {unique}"])
 
 
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_timeout_s_bounds_every_grpc_call_to_a_server_that_never_answers(kind):
+    """A port that accepts connections and says nothing (a hung server, a wrong service): gRPC's handshake waited
+    ~20 s for the model config and for health(), whatever timeout_s said (a new user's trial)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepted by the kernel, never answered
+        url = f"127.0.0.1:{silent.getsockname()[1]}"
+
+        async def async_calls():
+            async with AsyncEmbeddingClient(url=url, protocol="grpc", timeout_s=1.0, retries=0) as client:
+                with pytest.raises(EmbeddingError):
+                    await client.embed(["never answered"])
+                return await client.health()
+
+        start = time.monotonic()
+        if kind == "sync":
+            with EmbeddingClient(url=url, protocol="grpc", timeout_s=1.0, retries=0) as client:
+                with pytest.raises(EmbeddingError):
+                    client.embed(["never answered"])
+                health = client.health()
+        else:
+            health = asyncio.run(async_calls())
+        took = time.monotonic() - start
+    assert not health.live and health.error
+    assert took < 8, f"embed and health took {took:.1f} s with timeout_s=1"
+
+
 def test_one_headers_dict_serves_binary_json_and_shared_memory_clients_in_turn(server):
     """tritonclient's HTTP client writes Inference-Header-Content-Length into the headers dict it is given; the
     README's pattern (one dict with the admin key) then broke the next JSON or shared-memory client."""

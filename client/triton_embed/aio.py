@@ -66,6 +66,9 @@ class AsyncEmbeddingClient(ClientBase):
         return self._client
 
     async def _call(self, method: str, *args, **kwargs):
+        """Await a tritonclient method; map its errors to ours (over gRPC with ``timeout_s`` as the deadline)."""
+        if self.settings.protocol == "grpc":
+            kwargs.setdefault("client_timeout", self.settings.timeout_s)
         try:
             return await getattr(self._conn(), method)(*args, headers=copied(self.settings.headers), **kwargs)
         except EmbeddingError:

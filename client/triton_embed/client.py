@@ -135,7 +135,14 @@ class EmbeddingClient(ClientBase):
         return client
 
     def _call(self, method: str, *args, **kwargs):
-        """Call a tritonclient method; map its errors to ours."""
+        """Call a tritonclient method; map its errors to ours.
+
+        Over gRPC every call gets ``timeout_s`` as its deadline: without one, a config fetch or a health check
+        against a port that accepts connections but never answers waited ~20 s for gRPC's handshake, whatever
+        ``timeout_s`` said (a new user's trial); HTTP's connection has the timeout already.
+        """
+        if self.protocol == "grpc":
+            kwargs.setdefault("client_timeout", self.settings.timeout_s)
         try:
             return getattr(self._conn(), method)(*args, headers=copied(self.settings.headers), **kwargs)
         except EmbeddingError:
