@@ -150,7 +150,7 @@ def test_stats_table_has_every_step(server):
     done = run_cli("stats", "--url", server.http_url, "--protocol", "http")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split()[:3] == ["model", "requests", "failures"] and "queue" in lines[0] and "infer" in lines[0]
+    assert lines[0].split()[:3] == ["model", "successes", "failures"] and "queue" in lines[0] and "infer" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"embed", "tokenizer", "encoder"}
     assert all(int(row[1]) > 0 for row in rows.values())  # every step has served requests

@@ -84,10 +84,11 @@ def parse(model_stats: dict, before: dict | None = None) -> StepStats:
 def table(rows: list[StepStats]) -> str:
     """A fixed-width text table, one row per step.
 
-    ``failures`` is Triton's count, which on 2.51 counts each failed request of the ``embed`` ensemble twice.
+    ``successes`` is :attr:`StepStats.requests` (cache hits included); ``failures`` is Triton's count, which on 2.51
+    counts each failed request of the ``embed`` ensemble twice.
     """
     head = (
-        f"{'model':<10} {'requests':>9} {'failures':>9} {'texts':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
+        f"{'model':<10} {'successes':>9} {'failures':>9} {'texts':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
         f"{'input ms':>9} {'infer ms':>9} {'output ms':>10} {'cache hits':>10}"
     )
     lines = [head, "-" * len(head)]
