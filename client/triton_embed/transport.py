@@ -207,7 +207,7 @@ class RequestBuilder:
     def infer_kwargs(self, bulk: bool = False) -> dict:
         """Keyword arguments for tritonclient's ``infer``.
 
-        The gRPC deadline (``client_timeout``, s) and the request parameter ``latency_budget_ms`` (the server's
+        The request parameter ``latency_budget_ms`` (the server's
         budget for this request before it refuses or sheds it, ms): the client's setting when it has one; else
         ``0`` (never refused or shed) for a ``bulk`` request, one chunk of a call split into several; else none
         (the server's default, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
@@ -217,7 +217,7 @@ class RequestBuilder:
         (2026-11-30). With ``send_time``, the request parameter ``sent_ns`` (``time.time_ns()`` now, so call this
         as the request goes out): the server's budget then starts at the send, not at its tokenizer.
         """
-        kwargs: dict = {"client_timeout": self.settings.timeout_s} if self.settings.protocol == "grpc" else {}
+        kwargs: dict = {}  # the gRPC deadline is every call's: the clients' ``_call`` adds it
         budget = self.settings.latency_budget_ms
         if budget is None and bulk:
             budget = 0
