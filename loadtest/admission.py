@@ -127,15 +127,12 @@ def per_second(samples: list[AdmissionSample], origin_s: float) -> list[dict]:
         elapsed = max(1e-3, end - start)
         refused_rate = max(0, now.refused - before.refused) / elapsed
         shed_rate = max(0, now.shed - before.shed) / elapsed
-        second = math.floor(start)
-        while second < end or second == math.floor(start):
+        for second in range(math.floor(start), math.ceil(end)):
             overlap = min(end, second + 1) - max(start, second)
-            if overlap > 0:
-                r = row(second)
-                r["refused"] += refused_rate * overlap
-                r["shed"] += shed_rate * overlap
-                r["s"] += overlap
-            second += 1
+            r = row(second)
+            r["refused"] += refused_rate * overlap
+            r["shed"] += shed_rate * overlap
+            r["s"] += overlap
         if now.share is not None:
             last = row(math.ceil(end) - 1)  # the second that ``now`` closes
             last["share"] = now.share if last["share"] is None else min(last["share"], now.share)
