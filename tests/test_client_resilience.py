@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -148,8 +149,6 @@ def test_a_timeout_is_a_timeout_error_and_is_not_retried(server, protocol):
 def test_timeout_s_bounds_every_grpc_call_to_a_server_that_never_answers(kind):
     """A port that accepts connections and says nothing (a hung server, a wrong service): gRPC's handshake waited
     ~20 s for the model config and for health(), whatever timeout_s said (a new user's trial)."""
-    import socket
-
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # accepted by the kernel, never answered

@@ -167,7 +167,9 @@ def test_a_stub_that_died_before_the_watchdog_saw_it_is_replaced(tmp_path, refer
         server.wait_ready()
         (stub,) = [pid for pid, model in stub_processes(server.pid).items() if model == "tokenizer"]
         os.kill(stub, signal.SIGKILL)
-        while proc_state(stub).running:  # the kill takes a moment: a watchdog started before would see it alive
+        while (
+            state := proc_state(stub)
+        ) is not None and state.running:  # the kill takes a moment: a watchdog started before would see it alive
             time.sleep(0.01)
         watchdog = StubWatchdog(
             server_pid=server.pid,
