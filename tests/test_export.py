@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from triton_embed_server import export as exporter
+from triton_embed_server.encoder_module import device_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +101,35 @@ def test_cli_names_what_is_wrong_with_the_model_path(tmp_path, capsys):
         else:
             raise AssertionError(f"{path} was accepted")
         assert message in capsys.readouterr().err
+
+
+def test_exported_module_is_device_portable():
+    """The model.pt `make model` wrote holds no device constant and runs with weights and inputs on `meta`."""
+    module = torch.jit.load(str(ROOT / "model_repository" / "encoder" / "1" / "model.pt"))
+    assert device_problems(module) == []
+
+
+def test_device_check_catches_a_module_pinned_to_the_cpu():
+    """transformers' own mask builder, traced with a 2-D mask, hard-codes the tracing device: the check says so."""
+    from transformers import AutoModel
+
+    transformer = AutoModel.from_pretrained(
+        str(exporter.default_model_path()), attn_implementation="eager", return_dict=False
+    ).eval()
+
+    class TwoDimMask(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, input_ids, attention_mask):
+            return self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0][:, 0]
+
+    ids = torch.randint(1000, 2000, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        pinned = torch.jit.trace(TwoDimMask().eval(), (ids, mask), check_trace=False)
+    problems = device_problems(pinned)
+    assert any('Device = prim::Constant[value="cpu"]' in p for p in problems), problems
+    assert any("meta device failed" in p and "Cannot copy out of meta tensor" in p for p in problems), problems

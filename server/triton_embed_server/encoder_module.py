@@ -1,8 +1,13 @@
-"""The TorchScript encoder: a BERT-like transformer, pooling over the attention mask and L2 normalisation."""
+"""The TorchScript encoder: a BERT-like transformer, pooling over the attention mask and L2 normalisation.
+
+The exported module is device-portable: it runs on the device its weights and inputs are on. :func:`device_problems`
+checks that of a saved module without a GPU.
+"""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,6 +21,10 @@ class PooledEncoder(torch.nn.Module):
     Pooling follows sentence-transformers' ``Pooling``: ``mean`` averages token embeddings where the mask is 1
     (denominator clamped at 1e-9), ``cls`` takes the first token. Normalisation is ``F.normalize(p=2, dim=1)``, as
     sentence-transformers' ``Normalize`` and ``encode(normalize_embeddings=True)`` do.
+
+    The transformer gets the additive attention mask ``[B, 1, 1, T]`` (0 where the mask is 1, the dtype's minimum
+    where it is 0) built here from the inputs. Given a 4-D mask, transformers skips its own mask builder, whose
+    trace hard-codes the tracing device (``torch.device("cpu")`` in ``arange``, ``zeros`` and ``to``).
     """
 
     def __init__(self, transformer: torch.nn.Module, pooling: str) -> None:
@@ -23,10 +32,13 @@ class PooledEncoder(torch.nn.Module):
         super().__init__()
         self.transformer = transformer
         self.use_cls = pooling == "cls"
+        self.mask_dtype = next(transformer.parameters()).dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Embed a padded batch; padding positions (mask 0) do not change any row's result."""
-        tokens = self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0]
+        keep = attention_mask[:, None, None, :].to(self.mask_dtype)
+        bias = (1.0 - keep) * torch.finfo(self.mask_dtype).min
+        tokens = self.transformer(input_ids=input_ids, attention_mask=bias)[0]
         if self.use_cls:
             pooled = tokens[:, 0]
         else:
@@ -85,3 +97,73 @@ def build_traced_encoder(st_model, model_path: Path) -> tuple[torch.jit.ScriptMo
     with torch.no_grad():
         traced = torch.jit.trace(wrapper, (example_ids, example_mask), check_trace=False)
     return traced.eval(), info
+
+
+def device_constants(module: torch.jit.ScriptModule) -> list[str]:
+    """The constants in ``module``'s graph (submodules inlined) that would pin it to one device.
+
+    A ``Device`` constant (``torch.device("cpu")`` in a ``to``, ``arange`` or ``zeros``) keeps its tensors on that
+    device whatever the inputs are on. A tensor constant with elements would too; 0-dim tensor constants are
+    scalars, which PyTorch combines with tensors on any device.
+
+    Returns:
+        One line per offending node (its text, source location included); empty when the module is portable.
+    """
+    problems = []
+    blocks = [module.inlined_graph]
+    while blocks:
+        for node in blocks.pop().nodes():
+            blocks.extend(node.blocks())
+            if node.kind() != "prim::Constant":
+                continue
+            value = node.output().toIValue()  # a traced scalar constant reads back as a number
+            if node.output().type().kind() == "DeviceObjType" or (isinstance(value, torch.Tensor) and value.dim() > 0):
+                problems.append(str(node).strip())
+    return problems
+
+
+def move_to(module: torch.jit.ScriptModule, device: torch.device | str) -> torch.jit.ScriptModule:
+    """Move ``module``'s parameters and buffers to ``device`` in place, leaving its constants where they are.
+
+    ``ScriptModule.to`` does the same for CUDA; this also reaches devices it refuses, such as ``meta``.
+
+    Returns:
+        ``module``.
+    """
+    for submodule in module.modules():
+        for name, param in list(submodule.named_parameters(recurse=False)):
+            submodule._c.setattr(name, torch.nn.Parameter(param.detach().to(device), requires_grad=False))
+        for name, buffer in list(submodule.named_buffers(recurse=False)):
+            submodule._c.setattr(name, buffer.to(device))
+    return module
+
+
+def device_problems(module: torch.jit.ScriptModule) -> list[str]:
+    """Why ``module`` would not run on a GPU, found on the CPU; empty when it is device-portable.
+
+    Two checks: :func:`device_constants` on the graph, and a run of a saved-and-reloaded copy with weights and
+    inputs on the ``meta`` device (shapes only, no data), where any tensor the graph puts on the CPU meets the meta
+    ones and fails as it would on a GPU. The copy is loaded as the runner loads it (constants on the CPU, weights
+    moved).
+
+    Returns:
+        Human-readable problems (device constants, then the meta run's error), empty when there are none.
+    """
+    problems = [f"device constant in the graph: {line}" for line in device_constants(module)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.pt"
+        torch.jit.save(module, str(path))
+        copy = move_to(torch.jit.load(str(path), map_location="cpu"), "meta")
+    ids = torch.full((3, 12), 1000, dtype=torch.int64, device="meta")
+    mask = torch.ones_like(ids)
+    try:
+        # The graph optimizer compares constants with aten::equal, which meta tensors lack.
+        with torch.no_grad(), torch.jit.optimized_execution(False):
+            out = copy(ids, mask)
+    except (RuntimeError, NotImplementedError) as exc:
+        last = [line.strip() for line in str(exc).splitlines() if line.strip()][-1]
+        problems.append(f"a run with weights and inputs on the meta device failed: {last}")
+    else:
+        if out.device.type != "meta":
+            problems.append(f"a run with weights and inputs on the meta device returned a {out.device} tensor")
+    return problems

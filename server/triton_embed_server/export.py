@@ -9,7 +9,8 @@ Writes two artifacts, both git-ignored:
 
 Before anything is written, the exported pair (our tokenizer file + the traced module) is compared with
 ``SentenceTransformer.encode(..., normalize_embeddings=True)`` on texts of many lengths; a max abs difference of
-``MAX_ABS_DIFF`` or more raises :class:`ExportCheckError` with the numbers.
+``MAX_ABS_DIFF`` or more raises :class:`ExportCheckError` with the numbers. So does a module pinned to one device
+(``encoder_module.device_problems``): the same file serves on the CPU and on any GPU.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ CHECK_TEXTS = [
 
 
 class ExportCheckError(RuntimeError):
-    """The exported module or tokenizer does not reproduce sentence-transformers within ``MAX_ABS_DIFF``."""
+    """The exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or is pinned to a device."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         The manifest that was written (or the existing one when up to date).
 
     Raises:
-        ExportCheckError: the exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more.
+        ExportCheckError: the exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or the
+            module holds a device constant or fails to run with weights and inputs on the ``meta`` device.
         ValueError: the model's pooling is not one of ``SUPPORTED_POOLING`` or its tokenizer is not a fast one.
     """
     manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
@@ -174,11 +176,14 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
 
-    from triton_embed_server.encoder_module import build_traced_encoder
+    from triton_embed_server.encoder_module import build_traced_encoder, device_problems
 
     torch.manual_seed(0)
     st = SentenceTransformer(str(model_path), device="cpu")
     traced, info = build_traced_encoder(st, model_path)
+    pinned = device_problems(traced)
+    if pinned:
+        raise ExportCheckError("exported encoder is pinned to one device: " + "; ".join(pinned))
     hf_tok = st.tokenizer
     if not getattr(hf_tok, "is_fast", False):
         raise ValueError(f"{model_path}: tokenizer is not a fast (tokenizers) tokenizer; only fast ones can be served")
