@@ -13,15 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backends" / "torchscript"))
 
 from buckets import DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS, BucketTable, GraphSettings  # noqa: E402
-from runners import OVERFLOW, BucketedRunner, eager_label  # noqa: E402
+from runners import OVERFLOW, BucketedRunner, eager_label, load_module  # noqa: E402
 
 GRID = BucketTable.grid(DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS)
 
 
 @pytest.fixture(scope="module")
 def module():
-    path = ROOT / "model_repository" / "encoder" / "1" / "model.pt"
-    return torch.jit.load(str(path)).eval()
+    return load_module(ROOT / "model_repository" / "encoder" / "1" / "model.pt", torch.device("cpu"))
 
 
 def ragged_batch(rng, rows: int, max_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -100,7 +99,7 @@ def test_warmup_logs_the_buckets(module):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graph capture and replay)")
 def test_graph_replay_equals_eager_for_every_bucket(module):
     device = torch.device("cuda", 0)
-    gpu_module = torch.jit.load(str(ROOT / "model_repository" / "encoder" / "1" / "model.pt"), map_location=device)
+    gpu_module = load_module(ROOT / "model_repository" / "encoder" / "1" / "model.pt", device)
     runner = BucketedRunner(gpu_module, device, GraphSettings(True, GRID, False), log=lambda _: None)
     runner.warmup()
     rng = np.random.default_rng(3)

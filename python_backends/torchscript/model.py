@@ -9,16 +9,10 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 :class:`runners.BucketedRunner` (padded up to a length bucket; CUDA graph replay per bucket on a GPU instance),
 and the rows are split back per request.
 
-Load shedding (``common/shedding.py``): the tokenizer stamps each request with ``arrival_ns`` (``time.monotonic_ns()``,
-one clock for all processes on the host; a request with the parameter ``sent_ns``, the client's send on the host's wall
-clock, also counts how late it got there: ``shedding.late_arrival_ms``; the tokenizer's time on the request's own texts,
-``tokenize_ns``, does not count). Requests whose wait plus the estimated
-execution time exceeds ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) are answered UNAVAILABLE at once, oldest first,
-instead of being computed late; counted in ``triton_embed_shed_requests_total``. At the start and end of every execution
-the instance publishes its load (``common/loadboard.py``: when the running execution began and its typical duration, the
-newest stamp it has taken, when a request last ran late, its cost model and budget) so that the tokenizer refuses at
-once the requests that could not finish in time (``common/admission.py``); the shedding here is the second line, for
-requests judged on their real wait.
+Overload control (``overload.py``, docs/overload.md): the tokenizer stamps each request with ``queued_ns`` as it hands
+it on (``time.monotonic_ns()``, one clock for every process on the host). At each execution the requests that would end
+more than ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) after that stamp are answered UNAVAILABLE, oldest first,
+instead of being computed late; counted in ``triton_embed_shed_requests_total``.
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
@@ -40,34 +34,20 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-# Code shared with the tokenizer backend (cost model, shedding, load board): python_backends/common, beside this
-# backend's folder (resolved, because the embedded server's backend directory links to python_backends/torchscript).
+# Code shared with the tokenizer backend (metric lifetime): python_backends/common, beside this backend's folder
+# (resolved, because the embedded server's backend directory links to python_backends/torchscript).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
-from cost import CostModel
-from loadboard import EncoderLoad, LoadBoard, board_path, remove_stale
 from metric_lifetime import keep
-from runners import BucketedRunner
-from shedding import (
-    SHED_METRIC,
-    SHED_METRIC_HELP,
-    BudgetError,
-    budget_from_parameters,
-    choose_shed,
-    late_arrival_ms,
-    overloaded,
-    request_parameters,
-    sent_age_ms,
-)
-from target import AdmissionTarget, idle
+from overload import METRIC, METRIC_HELP, BudgetError, RunTime, request_budget_ms, shed
+from runners import BucketedRunner, load_module
 
 INPUTS = ("input_ids", "attention_mask")
-ARRIVAL = "arrival_ns"
-OWN_WORK = "tokenize_ns"
+QUEUED = "queued_ns"
 OUTPUT = "embedding__0"
 
 
@@ -104,12 +84,9 @@ def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndar
     return ids, mask
 
 
-def arrival_stamp(request, name: str = ARRIVAL) -> int | None:
-    """The request's ``arrival_ns`` stamp (monotonic ns, first row), or None when it carries none.
-
-    With ``name`` = ``tokenize_ns``: the tokenizer's time on the request's own texts, ns (None when absent).
-    """
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+def queued_stamp(request) -> int | None:
+    """When the request entered this model's queue: its ``queued_ns`` (monotonic ns, first row); None without one."""
+    tensor = pb_utils.get_input_tensor_by_name(request, QUEUED)
     if tensor is None:
         return None
     stamps = tensor.as_numpy().reshape(-1)
@@ -172,13 +149,14 @@ class TritonPythonModel:
 
         if args.get("model_instance_kind") == "GPU":
             device = torch.device("cuda", int(args["model_instance_device_id"]))
+            torch.cuda.set_device(device)  # this instance's stub process works on its own GPU only
         else:
             device = torch.device("cpu")
         try:
             settings = settings_from_model_config(self.model_config)
         except BucketConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
-        module = torch.jit.load(str(module_path), map_location=device).eval()
+        module = load_module(module_path, device)
         self._metrics = _BucketMetrics(args["model_name"])
         self.runner = BucketedRunner(
             module,

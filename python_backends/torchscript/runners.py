@@ -5,10 +5,12 @@ No Triton imports here, so the runner is tested directly on CPU against the expo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,6 +22,19 @@ CPU where each extra token costs ~0.1-0.17 ms, so a launch is worth ~16-32 token
 
 OVERFLOW = "overflow"
 """Stats label of batches above the largest bucket (run eagerly at their exact shape)."""
+
+
+def load_module(path: str | Path, device: torch.device) -> torch.jit.ScriptModule:
+    """Load the exported TorchScript encoder onto ``device``, in eval mode.
+
+    The file is read onto the CPU and its parameters and buffers are then moved: its traced constants stay CPU
+    scalars. ``map_location=device`` would move them too, and the trace's ``int()`` of a sequence length plus such a
+    constant would then wait on the GPU, which CUDA graph capture forbids.
+
+    Raises:
+        RuntimeError: the file is not a TorchScript module, or ``device`` is not available.
+    """
+    return torch.jit.load(str(path), map_location="cpu").to(device).eval()
 
 
 def eager_label(length: int) -> str:
@@ -103,6 +118,10 @@ class BucketedRunner:
         self.stats = RunnerStats()
         self._graphs: dict[Bucket, _Graph] = {}
 
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """Make ``self.device`` the current CUDA device, so streams, pools and graphs are made on it."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     # -- load time --------------------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Run every bucket once (and capture its graph on GPU), so no request pays first-run costs.
@@ -112,7 +131,8 @@ class BucketedRunner:
         """
         start = time.perf_counter()
         if self.use_graphs:
-            self._capture_all()
+            with self._on_device():
+                self._capture_all()
         else:
             with torch.no_grad(), torch.jit.optimized_execution(False):
                 for length in sorted({k.length for k in self.table.buckets}, reverse=True):
@@ -132,7 +152,7 @@ class BucketedRunner:
         return ids, torch.ones_like(ids)
 
     def _capture_all(self, warmup_iters: int = 3) -> None:
-        """Capture one graph per bucket, largest first, all in one memory pool."""
+        """Capture one graph per bucket, largest first, all in one memory pool (``self.device`` is current)."""
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
@@ -188,7 +208,8 @@ class BucketedRunner:
         bucket = self.table.lookup(batch, length)
         real = int(attention_mask.sum())
         if bucket is not None and bucket in self._graphs:
-            out = self._replay(self._graphs[bucket], input_ids, attention_mask)
+            with self._on_device():
+                out = self._replay(self._graphs[bucket], input_ids, attention_mask)
             self._count(str(bucket), "graph", real, bucket.tokens)
             return out
         padded_length = bucket.length if bucket is not None else length
