@@ -1,0 +1,70 @@
+"""The exported model.pt runs in torch 2.5.0, the PyTorch of Triton 24.10's libtorch backend and pyt-python image.
+
+`make model` exports with the lock's torch (2.13.0); the GPU image and `encoder/configs/libtorch.pbtxt` load the same
+file with 24.10's older libtorch. This test installs torch 2.5.0 (tests/libtorch-24.10.lock) into a scratch venv
+under .build/ (about 3 GB, kept between runs) and compares its embeddings of the artifact with torch 2.13.0's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import venv
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = ROOT / "tests" / "libtorch-24.10.lock"
+VENV = ROOT / ".build" / "torch-2.5.0"
+MODEL = ROOT / "model_repository" / "encoder" / "1" / "model.pt"
+
+RUN = """
+import json, sys, torch
+ids, mask = (torch.tensor(x, dtype=torch.int64) for x in json.loads(sys.stdin.read()))
+module = torch.jit.load(sys.argv[1], map_location="cpu").eval()
+with torch.no_grad():
+    out = module(ids, mask)
+print(json.dumps({"torch": torch.__version__, "embedding": out.tolist()}))
+"""
+
+
+def scratch_python() -> Path:
+    """The scratch venv's interpreter, with exactly the lock's packages (installed once, --no-deps)."""
+    python = VENV / "bin" / "python"
+    stamp = VENV / ".installed"
+    if not stamp.is_file() or stamp.read_text() != LOCK.read_text():
+        venv.create(VENV, with_pip=True, clear=True)
+        subprocess.run(
+            [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "-r", LOCK],
+            check=True,
+        )
+        stamp.write_text(LOCK.read_text())
+    return python
+
+
+def test_artifact_runs_in_the_libtorch_of_triton_24_10():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 29000, size=(4, 23)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[3, 1:] = 0
+    ids[mask == 0] = 0
+    done = subprocess.run(
+        [scratch_python(), "-c", RUN, MODEL],
+        input=json.dumps([ids.tolist(), mask.tolist()]),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["torch"].startswith("2.5.0"), result["torch"]
+    with torch.no_grad():
+        ours = torch.jit.load(str(MODEL)).eval()(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+    theirs = np.asarray(result["embedding"], dtype=np.float32)
+    assert theirs.shape == (4, 384)
+    diff = float(np.abs(theirs - ours).max())
+    assert diff < 1e-5, f"torch {result['torch']} differs from torch {torch.__version__} by {diff:.3g}"
