@@ -1,25 +1,49 @@
 #!/usr/bin/env bash
-# sync-model-repository CONFIGS ARTIFACTS DEST: the one-shot `model-export` service of docker-compose.yml.
-# DEST (the volume Triton mounts read-only) becomes CONFIGS (the host's model_repository: configs, read-only)
-# without its git-ignored artifacts, plus ARTIFACTS (the encoder and tokenizer files exported when the image was
-# built). Run at every `docker compose up`, so config edits on the host reach the server on its next start.
+# sync-model-repository CONFIGS ARTIFACTS DEST [MODEL]: the one-shot `model-export` service of docker-compose.yml.
+# DEST (the volume Triton mounts read-only) becomes CONFIGS (the host's model_repository, read-only) without its
+# git-ignored artifacts, plus the encoder and tokenizer artifacts: with MODEL (a sentence-transformers folder), that
+# model exported and self-checked here by `python -m triton_embed_server.export`; without it, ARTIFACTS (the packaged
+# all-MiniLM-L6-v2 exported when the image was built). Every config's embedding width is then set to the artifact's
+# (encoder/1/export.json), whatever the host's configs say. DEST changes only once all of that succeeded.
+# PYTHON: the interpreter that imports triton_embed_server (default python3).
 set -euo pipefail
-if [[ $# -ne 3 ]]; then
-    echo "usage: sync-model-repository CONFIGS ARTIFACTS DEST" >&2
+if [[ $# -lt 3 || $# -gt 4 ]]; then
+    echo "usage: sync-model-repository CONFIGS ARTIFACTS DEST [MODEL]" >&2
     exit 2
 fi
-configs="$1" artifacts="$2" dest="$3"
-for path in "$configs" "$artifacts" "$dest"; do
+configs="$1" artifacts="$2" dest="$3" model="${4:-}"
+python="${PYTHON:-python3}"
+for path in "$configs" "$artifacts" "$dest" ${model:+"$model"}; do
     [[ -d "$path" ]] || { echo "sync-model-repository: $path is not a folder" >&2; exit 2; }
 done
 if [[ ! -f "$configs/embed/config.pbtxt" ]]; then
     echo "sync-model-repository: $configs has no embed/config.pbtxt" >&2
     exit 2
 fi
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+# configs only: the version folders' artifacts (*/1/*) come from the export, whatever the host holds
+(cd "$configs" && find . -path './*/[0-9]*/*' -prune -o -type f -exec cp --parents {} "$stage" \;)
+(cd "$configs" && find . -mindepth 2 -maxdepth 2 -type d -name '[0-9]*' -exec mkdir -p "$stage"/{} \;)
+if [[ -n "$model" ]]; then
+    echo "sync-model-repository: exporting ${MODEL:-$model}" >&2
+    "$python" -m triton_embed_server.export --model "$model" --repository "$stage" --force >&2
+else
+    cp -R "$artifacts"/. "$stage"/
+fi
+"$python" - "$stage" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+from triton_embed_server.export import set_config_dims
+
+repository = Path(sys.argv[1])
+dim = json.loads((repository / "encoder" / "1" / "export.json").read_text())["dim"]
+for config in set_config_dims(repository, dim):
+    print(f"sync-model-repository: embedding width {dim} in {config.relative_to(repository)}", file=sys.stderr)
+PY
 find "$dest" -mindepth 1 -delete
-# configs only: the version folders' artifacts (*/1/*) come from the image, whatever the host holds
-(cd "$configs" && find . -path './*/[0-9]*/*' -prune -o -type f -exec cp --parents {} "$dest" \;)
-(cd "$configs" && find . -mindepth 2 -maxdepth 2 -type d -name '[0-9]*' -exec mkdir -p "$dest"/{} \;)
-cp -R "$artifacts"/. "$dest"/
+cp -R "$stage"/. "$dest"/
 echo "sync-model-repository: $(find "$dest" -type f | wc -l) files in $dest:" >&2
 (cd "$dest" && find . -type f | sort) >&2

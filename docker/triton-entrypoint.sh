@@ -18,9 +18,14 @@
 # sends SIGINT; Triton treats both alike) and exits with its status: 0 also when the watchdog had to kill a
 # tritonserver that waited only for a stub that died (Triton 2.51 would wait out its exit timeout, then exit 1).
 #
+# Before tritonserver starts, a GPU config meets the driver check (server/triton_embed_server/driver_check.py,
+# stdlib only): a driver too old for the image's CUDA gets one line (driver found, minimum, what to do) and exit
+# status 78, instead of a server that fails at its first CUDA call.
+#
 # Environment: TRITON_EMBED_ADMIN_KEY (optional), TRITONSERVER (the binary; default: tritonserver on PATH),
-# TRITON_EMBED_WATCH_STUBS (0: no watchdog), TRITON_EMBED_WATCHDOG and TRITON_EMBED_DRAIN (the scripts; default:
-# where the image puts them), TRITON_EMBED_DRAIN_TIMEOUT (seconds, default 30; 0: no drain).
+# TRITON_EMBED_WATCH_STUBS (0: no watchdog), TRITON_EMBED_WATCHDOG, TRITON_EMBED_DRAIN and
+# TRITON_EMBED_DRIVER_CHECK (the scripts; default: where the image puts them), TRITON_EMBED_DRAIN_TIMEOUT (seconds,
+# default 30; 0: no drain).
 set -euo pipefail
 
 # NGC images set up the CUDA environment (driver checks, forward-compatibility libraries) in their own entrypoint;
@@ -49,6 +54,13 @@ for arg in "$@"; do
     if [[ "$previous" == --http-port ]]; then http_port="$arg"; fi
     previous="$arg"
 done
+
+driver_check="${TRITON_EMBED_DRIVER_CHECK:-/opt/triton-embed/driver_check.py}"
+if [[ -f "$driver_check" ]]; then
+    python3 "$driver_check" "$@" </dev/null || exit $?
+else
+    echo "triton-embed: no driver check at $driver_check: tritonserver starts unchecked" >&2
+fi
 
 server_pid=""
 stopped_stuck=0

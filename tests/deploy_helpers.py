@@ -29,8 +29,11 @@ PROMETHEUS_YML = MONITORING / "prometheus" / "prometheus.yml"
 ALERTS_YML = MONITORING / "prometheus" / "alerts.yml"
 # NGC release of each Triton server version we run (https://docs.nvidia.com support matrix): 2.51.0 = 24.10
 NGC_RELEASE = {"2.51.0": "24.10"}
+# PyTorch release of each NGC release's libtorch (NGC frameworks support matrix: 24.10 = PyTorch 2.5.0a0+e000cf0)
+NGC_PYTORCH = {"24.10": "2.5.0"}
+IMAGE_LOCK = ROOT / "docker" / "requirements-triton.lock"
 SETTINGS = ("ENCODER_CONFIG", "TRITON_BIND", "TRITON_EMBED_ADMIN_KEY", "TRITON_EMBED_WATCH_STUBS",
-            "GRAFANA_ADMIN_PASSWORD")  # fmt: skip
+            "GRAFANA_ADMIN_PASSWORD", "MODEL")  # fmt: skip
 
 
 def tool(name: str) -> str:
@@ -67,9 +70,9 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
-def lock_pins() -> dict[str, str]:
+def lock_pins(path: Path = ROOT / "requirements.lock") -> dict[str, str]:
     pins = {}
-    for line in (ROOT / "requirements.lock").read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pins[canonical(name)] = version
@@ -138,19 +141,16 @@ def entrypoint_env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-@contextlib.contextmanager
-def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
-    """Sync the model repository as the model-export service does, start tritonserver with the compose command line.
+def sync_model_repository(
+    tmp: Path, *, configs: Path = ROOT / "model_repository", model: Path | None = None
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run docker/sync-model-repository.sh as the model-export service does; return the repository it made.
 
-    The command line is docker-compose's resolution of the `triton` service's ``command`` with ENCODER_CONFIG=cpu,
-    run through docker/triton-entrypoint.sh with the CPU build of the same Triton; only the model repository path,
-    the backend and cache folders (the image's defaults) and loopback ports differ.
+    The image's baked artifacts are those `make model` wrote here (the packaged model); ``model``: a
+    sentence-transformers folder the script exports itself, as with MODEL set.
     """
-    from triton_embed_server.embedded import _spawn_args
-    from triton_embed_server.layout import DEFAULT_BUILD_DIR, assemble_backends, find_layout
-    from triton_embed_server.shm import backend_regions, remove_orphans
+    import sys
 
-    # what the export stage of the image holds: the artifacts only (here: those `make model` wrote)
     artifacts = tmp / "artifacts"
     for rel in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
         (artifacts / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -158,10 +158,36 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
     models = tmp / "models"
     models.mkdir()
     (models / "left-over.pbtxt").write_text("from an older image")
-    sync = subprocess.run(
-        ["bash", "docker/sync-model-repository.sh", str(ROOT / "model_repository"), str(artifacts), str(models)],
-        cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
+    args = [str(configs), str(artifacts), str(models), *([str(model)] if model else [])]
+    done = subprocess.run(
+        ["bash", "docker/sync-model-repository.sh", *args], cwd=ROOT, capture_output=True, text=True, check=False,
+        timeout=600, env=os.environ | {"PYTHON": sys.executable},
     )  # fmt: skip
+    return models, done
+
+
+def embedding_widths(repository: Path) -> dict[str, int]:
+    """``dims: [ N ]  # embedding-dim`` of every config in ``repository``, by path relative to it."""
+    return {
+        str(cfg.relative_to(repository)): int(n)
+        for cfg in sorted(repository.rglob("*.pbtxt"))
+        for n in re.findall(r"dims: \[ (\d+) \]\s*# embedding-dim", cfg.read_text())
+    }
+
+
+@contextlib.contextmanager
+def compose_server_running(tmp: Path, model: Path | None = None) -> Iterator[ComposeServer]:
+    """Sync the model repository as the model-export service does, start tritonserver with the compose command line.
+
+    The command line is docker-compose's resolution of the `triton` service's ``command`` with ENCODER_CONFIG=cpu,
+    run through docker/triton-entrypoint.sh with the CPU build of the same Triton; only the model repository path,
+    the backend and cache folders (the image's defaults) and loopback ports differ. ``model``: as with MODEL set.
+    """
+    from triton_embed_server.embedded import _spawn_args
+    from triton_embed_server.layout import DEFAULT_BUILD_DIR, assemble_backends, find_layout
+    from triton_embed_server.shm import backend_regions, remove_orphans
+
+    models, sync = sync_model_repository(tmp, model=model)
     assert sync.returncode == 0, sync.stderr
     # ENCODER_CONFIG=cpu: there is no configs/cpu.pbtxt, so Triton falls back to each model's config.pbtxt (the
     # CPU configs); gpu and libtorch need a GPU / the libtorch backend, which the CPU build lacks.
@@ -185,6 +211,7 @@ def compose_server_running(tmp: Path) -> Iterator[ComposeServer]:
         TRITON_EMBED_ADMIN_KEY=server.admin_key,
         TRITON_EMBED_WATCHDOG=str(ROOT / "server" / "triton_embed_server" / "supervisor.py"),
         TRITON_EMBED_DRAIN=str(ROOT / "server" / "triton_embed_server" / "drain.py"),
+        TRITON_EMBED_DRIVER_CHECK=str(ROOT / "server" / "triton_embed_server" / "driver_check.py"),
         **{k: v for k, v in resolved()["services"]["triton"]["environment"].items() if k != "TRITON_EMBED_ADMIN_KEY"},
     )
     argv, preexec = _spawn_args(["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args])

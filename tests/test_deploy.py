@@ -1,9 +1,10 @@
-"""GPU deployment (issue 6), the files and the real tools that check them; no server, no Docker engine, no GPU.
+"""GPU deployment, the files and the real tools that check them; no server, no Docker engine, no GPU.
 
 * docker-compose.yml: Debian's docker-compose 1.29 validates and resolves it; the resolved file is checked.
-* docker/Dockerfile: its versions agree with requirements.lock and the Makefile; the image's Python (3.10) can
-  install the locked runtime packages and parse our backends; the monitor image's install holds the monitor.
-* docker/triton-entrypoint.sh locks the admin APIs as the embedded server does.
+* docker/Dockerfile: its versions come from requirements.lock, docker/requirements-triton.lock and the Makefile; the
+  image lock agrees with the project's lock and is what pip resolves for the image's Python (3.10); our backends
+  parse as Python 3.10; the monitor image's install holds the monitor.
+* docker/triton-entrypoint.sh checks the driver first and locks the admin APIs as the embedded server does.
 * Prometheus (Debian's 2.42): promtool checks the config and rules and runs their unit tests; the Grafana
   dashboard is well formed. The servers behind them run in test_deploy_runtime.py.
 """
@@ -30,7 +31,10 @@ from deploy_helpers import (
     COMPOSE,
     DASHBOARD,
     DOCKERFILE,
+    IMAGE_LOCK,
     MONITORING,
+    NGC_PYTORCH,
+    NGC_RELEASE,
     PROMETHEUS_YML,
     ROOT,
     canonical,
@@ -93,9 +97,16 @@ def test_triton_service():
     assert triton["volumes"] == ["model-repository:/models:ro"]
     export = resolved()["services"]["model-export"]
     assert sorted(export["volumes"]) == sorted(
-        [f"{ROOT / 'model_repository'}:/src/configs:ro", "model-repository:/models:rw"]
+        [
+            f"{ROOT / 'model_repository'}:/src/configs:ro",
+            f"{ROOT / 'docker' / 'no-model'}:/src/model:ro",  # MODEL unset: the packaged model, nothing exported
+            "model-repository:/models:rw",
+        ]
     )
     assert export["build"]["target"] == "export" and export.get("restart") == "no"
+    assert export["environment"] == {"MODEL": ""}
+    # a failure at every start (a refused driver, a model that does not load) stops instead of looping
+    assert triton["restart"] == "on-failure:5"
     health = triton["healthcheck"]
     # the ensemble's readiness: /v2/health/ready is 200 again while the ensemble drains (unloaded)
     assert health["test"][0] == "CMD" and "http://127.0.0.1:8000/v2/models/embed/ready" in " ".join(health["test"])
@@ -111,6 +122,17 @@ def test_triton_service():
     drain_s = int(triton["environment"]["TRITON_EMBED_DRAIN_TIMEOUT"])
     exit_s = int(next(a for a in command if a.startswith("--exit-timeout-secs=")).split("=")[1])
     assert drain_s == 30 and int(str(triton["stop_grace_period"]).removesuffix("s")) >= drain_s + exit_s
+
+
+def test_model_setting_mounts_that_folder_read_only_for_the_export(tmp_path):
+    export = resolved(MODEL=str(tmp_path))["services"]["model-export"]
+    assert f"{tmp_path}:/src/model:ro" in export["volumes"] and export["environment"] == {"MODEL": str(tmp_path)}
+    relative = resolved(MODEL="./model_repository")["services"]["model-export"]  # relative to docker-compose.yml
+    assert f"{ROOT / 'model_repository'}:/src/model:ro" in relative["volumes"]
+    # the export image's command exports /src/model only when MODEL is set
+    (cmd,) = [a for i, a in dockerfile_instructions() if i == "CMD" and "sync-model-repository" in a]
+    assert "${MODEL:+/src/model}" in cmd
+    assert (ROOT / "docker" / "no-model").is_dir() and not (ROOT / "docker" / "no-model" / "modules.json").exists()
 
 
 @pytest.mark.parametrize(("setting", "config"), [(None, "gpu"), ("libtorch", "libtorch"), ("gpu", "gpu")])
@@ -174,6 +196,9 @@ def test_dockerfile_pins_agree_with_the_lock_and_the_makefile():
     installs = pip_installs()
     assert len(installs) >= 5
     for args in installs:
+        if "-r" in args:  # the triton stage: the image lock, exact pins, nothing resolved in the build
+            assert args[args.index("-r") + 1] == f"/tmp/{IMAGE_LOCK.name}" and "--no-deps" in args, args
+            continue
         packages, skip_next = [], False
         for word in args:
             if skip_next or "$" in word:
@@ -210,21 +235,55 @@ def _closure(roots: list[str], python: str) -> dict[str, importlib.metadata.Dist
     return found
 
 
-def test_runtime_constraints_leave_out_exactly_the_locked_versions_python_310_cannot_install():
-    """The image's Python is 3.10; a lock pin that needs 3.11 would make pip fail, one left out needlessly drifts."""
+IMAGE_ROOTS = ["torch", "tokenizers", "numpy"]  # what python_backends/ import beyond the standard library
+# Packages whose image version differs from requirements.lock on purpose, beside those whose locked version needs
+# Python >= 3.11 (recomputed below from the installed packages' metadata).
+IMAGE_OWN_VERSIONS = {
+    "torch": "the release of Triton 24.10's libtorch (NGC_PYTORCH)",
+    "sympy": "torch 2.5.0 requires sympy==1.13.1",
+}
+
+
+def test_image_lock_agrees_with_the_project_lock_and_the_images_libtorch():
+    """The image lock differs from requirements.lock only where it must: torch (the image's libtorch release), what
+    torch 2.5.0 pins, and packages whose locked version cannot install on the image's Python 3.10."""
     from packaging.specifiers import SpecifierSet
 
-    run = next(a for i, a in dockerfile_instructions() if i == "RUN" and "constraints-py310" in a)
-    skipped = set(re.search(r"grep -v -E '\^\(([^)]*)\)==' ", run).group(1).split("|"))
-    roots = ["torch", "tokenizers", "numpy"]
-    assert re.search(r"constraints-py310.txt\s+(\$\{[^}]*\}\s+)?" + r"\s+".join(roots), run)
+    project, image = lock_pins(), lock_pins(IMAGE_LOCK)
+    assert set(IMAGE_ROOTS) <= set(image)
+    assert image["torch"] == NGC_PYTORCH[NGC_RELEASE["2.51.0"]]
     needs_311 = {
         name
-        for name, dist in _closure(roots, "3.10").items()
-        if name in lock_pins() and not SpecifierSet(dist.metadata.get("Requires-Python") or "").contains("3.10.12")
+        for name, dist in _closure(IMAGE_ROOTS, "3.10").items()
+        if name in project and not SpecifierSet(dist.metadata.get("Requires-Python") or "").contains("3.10.12")
     }
-    assert skipped == needs_311
-    assert not skipped & set(roots), "the packages our backends import must keep their locked versions"
+    differ = {name for name in image if name in project and image[name] != project[name]}
+    assert differ == needs_311 | set(IMAGE_OWN_VERSIONS), differ ^ (needs_311 | set(IMAGE_OWN_VERSIONS))
+    assert not needs_311 & set(IMAGE_ROOTS), "the packages our backends import keep their locked versions"
+    # the same torch and CUDA libraries as the scratch venv that runs the exported model (libtorch compatibility)
+    compat = lock_pins(ROOT / "tests" / "libtorch-24.10.lock")
+    assert {n: v for n, v in compat.items() if n == "torch" or n.startswith("nvidia-")} == {
+        n: v for n, v in image.items() if n == "torch" or n.startswith("nvidia-")
+    }
+
+
+def test_image_lock_is_exactly_what_pip_resolves_for_the_images_python(tmp_path):
+    """pip (PyPI metadata only, nothing installed) resolves the image lock with dependencies for CPython 3.10 on
+    manylinux x86_64, the Triton 24.10 image: nothing missing, nothing extra, no version moved."""
+    platforms = ("manylinux_2_35_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--report", str(report),
+         "--python-version", "3.10", "--implementation", "cp", "--abi", "cp310",
+         *(a for p in platforms for a in ("--platform", p)), "--only-binary=:all:", "--target", str(tmp_path / "t"),
+         "-r", str(IMAGE_LOCK)],
+        capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    resolved_pins = {
+        canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
+    assert resolved_pins == lock_pins(IMAGE_LOCK)
 
 
 # Modules and names added to the standard library after Python 3.10 (the image's interpreter).
@@ -235,13 +294,13 @@ ADDED_AFTER_310 = {"tomllib", "wsgiref.types", "typing.Self", "typing.LiteralStr
 
 IMAGE_PYTHON = [
     *sorted((ROOT / "python_backends").rglob("*.py")),
-    *(ROOT / "server" / "triton_embed_server" / name for name in ("supervisor.py", "drain.py")),
+    *(ROOT / "server" / "triton_embed_server" / name for name in ("supervisor.py", "drain.py", "driver_check.py")),
 ]
 
 
 @pytest.mark.parametrize("path", IMAGE_PYTHON, ids=lambda p: p.name)
 def test_backends_are_python_310(path):
-    """What runs on the image's python3 (3.10): the backends, the stub watchdog and the drain."""
+    """What runs on the image's python3 (3.10): the backends, the driver check, the stub watchdog and the drain."""
     tree = ast.parse(path.read_text(), filename=str(path), feature_version=(3, 10))
     used = set()
     for node in ast.walk(tree):
@@ -268,6 +327,8 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
         if line.strip() and not line.startswith("#")
     ]
     assert patterns[0] == "*", "send nothing by default (.venv alone is gigabytes)"
+    for copy in copies:  # a COPY of a path the context lacks fails the build
+        assert all((ROOT / src).exists() for src in copy[:-1]), copy
     for source in {src.rstrip("/").split("/")[0] for c in copies for src in c[:-1]}:
         assert f"!{source}" in patterns, f"COPY {source} but the .dockerignore leaves it out"
     assert "model_repository/*/1/*" in patterns  # a host-side export never reaches the image
@@ -275,7 +336,11 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
     watchdog, drainer = "/opt/triton-embed/supervisor.py", "/opt/triton-embed/drain.py"
     assert ["server/triton_embed_server/supervisor.py", watchdog] in copies
     assert ["server/triton_embed_server/drain.py", drainer] in copies
+    checker = "/opt/triton-embed/driver_check.py"
+    assert ["server/triton_embed_server/driver_check.py", checker] in copies
+    assert ["docker/requirements-triton.lock", f"/tmp/{IMAGE_LOCK.name}"] in copies
     entrypoint = (ROOT / "docker" / "triton-entrypoint.sh").read_text()
+    assert f'driver_check="${{TRITON_EMBED_DRIVER_CHECK:-{checker}}}"' in entrypoint
     assert f'watchdog="${{TRITON_EMBED_WATCHDOG:-{watchdog}}}"' in entrypoint
     assert f'drainer="${{TRITON_EMBED_DRAIN:-{drainer}}}"' in entrypoint
 
@@ -326,7 +391,34 @@ def test_entrypoint_locks_admin_apis_like_the_embedded_server():
     assert bad.returncode == 2 and "TRITON_EMBED_ADMIN_KEY" in bad.stderr
     # outside the image there is no watchdog script at the default path: said, not silent; 0 turns it off
     assert "no stub watchdog at /opt/triton-embed/supervisor.py" in given.stderr
+    assert "no driver check at /opt/triton-embed/driver_check.py" in given.stderr
     assert "watchdog" not in run(TRITON_EMBED_ADMIN_KEY="k", TRITON_EMBED_WATCH_STUBS="0").stderr
+
+
+@pytest.mark.parametrize("config", ["gpu", "libtorch"])
+def test_entrypoint_refuses_a_gpu_config_without_a_usable_driver_before_tritonserver_starts(config):
+    """No NVIDIA driver here: a GPU config stops at the driver check with one line and status 78; tritonserver
+    (TRITONSERVER=echo prints its command line) never runs. The CPU configs pass through."""
+    from triton_embed_server.driver_check import EXIT_REFUSED
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        args = [f"--model-repository={ROOT / 'model_repository'}", f"--model-config-name={name}"]
+        env = entrypoint_env(
+            TRITONSERVER="echo", TRITON_EMBED_ADMIN_KEY="k", TRITON_EMBED_WATCH_STUBS="0",
+            TRITON_EMBED_DRIVER_CHECK=str(ROOT / "server" / "triton_embed_server" / "driver_check.py"),
+        )  # fmt: skip
+        return subprocess.run(
+            ["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args], env=env, capture_output=True, text=True,
+            check=False, timeout=60,
+        )  # fmt: skip
+
+    refused = run(config)
+    assert refused.returncode == EXIT_REFUSED and refused.stdout == "", refused
+    (line,) = [ln for ln in refused.stderr.splitlines() if "ERROR" in ln]
+    assert line.startswith(f"triton-embed: ERROR: config '{config}' runs encoder on a GPU, but no NVIDIA driver")
+    cpu = run("cpu")
+    assert cpu.returncode == 0 and cpu.stdout.startswith("--model-repository=")
+    assert "config 'cpu' runs on the CPU: no NVIDIA driver check" in cpu.stderr
 
 
 def test_the_entrypoints_drain_says_so_when_no_server_answers():

@@ -1,8 +1,10 @@
-"""GPU deployment (issue 6) on real servers: the compose `triton` command line and the monitoring stack.
+"""GPU deployment on real servers: the compose `triton` command line, the model export and the monitoring stack.
 
 * tritonserver started with docker-compose.yml's `triton` command line through docker/triton-entrypoint.sh, on
   the model repository docker/sync-model-repository.sh assembles, with the CPU build of the same Triton (2.51.0):
   it serves, its healthcheck passes, its admin APIs are locked, it is the release the image is built from.
+* The model-export service's script exports a model given as MODEL (a small random BERT here) with every config's
+  embedding width set to the model's, and the compose command line serves it.
 * A real Prometheus (Debian's 2.42) with monitoring/prometheus/prometheus.yml scrapes that server and the GPU
   monitor's exporter (fed with recorded samples: no GPU here), evaluates the alert rules and every query of the
   Grafana dashboard.
@@ -22,6 +24,7 @@ import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,8 +38,10 @@ from deploy_helpers import (
     compose_server_running,
     dashboard_targets,
     dockerfile_instructions,
+    embedding_widths,
     metric_names_in,
     resolved,
+    sync_model_repository,
     tool,
 )
 from helpers import drained_requests, embed_until_answered, kill_stub_mid_request, load_across_a_signal, post_status
@@ -65,6 +70,73 @@ def test_compose_command_serves_embeddings_with_the_admin_apis_locked(compose_se
     files = sorted(str(p.relative_to(compose_server.models)) for p in compose_server.models.rglob("*") if p.is_file())
     assert "left-over.pbtxt" not in files and "encoder/1/model.pt" in files and "embed/config.pbtxt" in files
     assert (compose_server.models / "embed" / "1").is_dir() and ".gitkeep" not in " ".join(files)
+    # the entrypoint's driver check ran first: the CPU config needs no driver
+    assert "triton-embed: config 'cpu' runs on the CPU: no NVIDIA driver check" in compose_server.log.read_text()
+
+
+def small_sentence_transformer(folder: Path, dim: int) -> Path:
+    """A sentence-transformers folder: a 2-layer BERT of width ``dim`` with random weights, the packaged tokenizer."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as st_modules
+    from transformers import AutoTokenizer, BertConfig, BertModel
+    from triton_embed_server.export import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=dim, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=2 * dim, max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(folder / "hf")
+    tokenizer.save_pretrained(folder / "hf")
+    modules = [
+        st_modules.Transformer(str(folder / "hf"), max_seq_length=128),
+        st_modules.Pooling(dim, "mean"),
+        st_modules.Normalize(),
+    ]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder / "model"))
+    return folder / "model"
+
+
+def test_model_given_to_the_export_is_exported_and_served_with_its_width(tmp_path):
+    """MODEL=folder: the export service's script exports it (read-only source), sets every config's width to its
+    own, and the compose command line serves it; the host's configs are left as they are."""
+    import shutil
+
+    source = small_sentence_transformer(tmp_path / "st", dim=48)
+    before = {p: p.stat().st_mtime_ns for p in source.rglob("*")}
+    models, done = sync_model_repository(tmp_path / "sync", model=source)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((models / "encoder" / "1" / "export.json").read_text())["dim"] == 48
+    widths = embedding_widths(models)
+    assert len(widths) == len(embedding_widths(ROOT / "model_repository")) >= 4 and set(widths.values()) == {48}
+    assert set(embedding_widths(ROOT / "model_repository").values()) == {384}  # the host's configs untouched
+    assert {p: p.stat().st_mtime_ns for p in source.rglob("*")} == before  # the mounted folder, read only
+    shutil.rmtree(tmp_path / "sync")
+    with (
+        compose_server_running(tmp_path / "serve", model=source) as server,
+        EmbeddingClient(url=server.grpc_url, protocol="grpc") as client,
+    ):
+        vectors = client.embed(["A man is playing a guitar.", "Someone plays music.", "third"])
+    assert vectors.shape == (3, 48)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_without_model_the_host_configs_get_the_packaged_models_width(tmp_path):
+    """The host's configs left at another width (a host-side `make model MODEL=...`) meet the image's packaged model:
+    the synced configs say the artifact's width, so Triton never loads a mismatched pair."""
+    import shutil
+
+    from triton_embed_server.export import set_config_dims
+
+    configs = tmp_path / "configs"
+    shutil.copytree(ROOT / "model_repository", configs, ignore=shutil.ignore_patterns("1"))
+    for model in ("embed", "encoder", "tokenizer"):
+        (configs / model / "1").mkdir()
+    set_config_dims(configs, 768)
+    models, done = sync_model_repository(tmp_path, configs=configs)
+    assert done.returncode == 0, done.stderr
+    assert set(embedding_widths(models).values()) == {384} and set(embedding_widths(configs).values()) == {768}
+    assert "embedding width 384 in encoder/configs/gpu.pbtxt" in done.stderr
 
 
 def test_healthcheck_passes_on_a_ready_server_and_fails_without_one(compose_server):
