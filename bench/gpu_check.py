@@ -1,277 +1,466 @@
-"""GPU check of the CUDA-graph runner: replay equals eager per bucket; eager vs graph throughput and p99.
+"""GPU check of the real artifact: export, graph replay vs eager and CPU, served ensemble vs in-process, GPU monitor.
 
-Runs on a machine with a CUDA GPU and torch + transformers, without Triton and without the model package: the
-encoder is all-MiniLM-L6-v2's architecture (BertConfig below, the values of the packaged ``config.json``) with
-random weights, which costs the same time as the trained one. Usage (under 8 minutes on an H200)::
+One run on a CUDA machine (under 5 minutes on an H200; every phase has a time limit, the whole run 9 minutes):
 
-    python bench/gpu_check.py --out results/            # writes gpu_check.json and gpu_check.md
+1. builds a sentence-transformers folder of all-MiniLM-L6-v2's architecture with random weights (config and tokenizer
+   files from ``make gpu-carry``; the trained weights do not travel, and speed does not depend on them) and exports
+   it with the project's exporter (``triton_embed_server.export.export``, its self-check included) into a copy of
+   ``model_repository``;
+2. loads the written ``model.pt`` through ``runners.load_module`` on the GPU; per bucket of the default grid
+   (batch 1..64 x length 16..256), graph replay of a ragged batch must equal each row run alone, eagerly on the GPU
+   and on the CPU from the same file (max abs diff < 1e-3); graph vs eager throughput per batch at length 32
+   (aim: >= 2x for batch <= 8);
+3. in-process throughput of tokenizer + graph runner (batches of 64) on the same file and GPU;
+4. the NVML monitor (``triton_embed.monitor``) must see this GPU's utilisation rise under graph replays;
+5. starts the embedded tritonserver with ``--model-config-name=gpu`` on the copy; each text served alone must equal
+   the in-process embedding (< 1e-3); a closed-loop sweep of one-text requests (KServe v2 JSON over ``http.client``,
+   ``bench/gpu_load.py``) gives the throughput at p99 <= 20 ms and <= 200 ms, and the first over the in-process
+   throughput (aim: >= 0.7x).
 
-Checks, for every bucket of the default grid (batch 1..64 x length 16..256):
-* graph replay of a ragged batch equals the eager module on each row alone (max abs diff < 1e-3, fp32);
-* per batch bucket at length 32 (STS-B p95 is 31 tokens): eager and graph throughput (sentences/s) and p99 per
-  call, and their ratio (target: graph >= 2x eager for batch <= 8).
-* the GPU monitor (``triton_embed.monitor``, issue 6): sampling every 0.2 s, it must report this GPU (its NVML
-  UUID or name) and see its utilisation rise while graph replays of batch 64 x 256 run, over an idle baseline
-  (mean during the load >= idle mean + 20 points). Needs ``nvidia-ml-py`` (carry its wheel,
-  ``nvidia_ml_py-13.615.71-py3-none-any.whl``, where nothing can be downloaded); without it the section is
-  reported as not checked. tritonclient is not needed: the monitor is imported without the client package.
-"""
+Writes ``gpu_check.json``, ``gpu_check.md`` (tables to paste into docs/benchmarks.md) and ``tritonserver.log`` under
+``--out``, prints the summary, and exits 1 when a correctness check fails or a phase fails, 2 when the environment
+cannot run it (versions are printed first), 3 when the whole run passed its time limit.
+
+On the GPU machine (Python 3.12 with CUDA torch, transformers 5, sentence-transformers, tokenizers and numpy 2;
+nothing to download there): ``make gpu-carry`` here puts the pruned nvidia-pytriton wheel, nvidia-ml-py, numpy 1.26.4
+for the backend stubs and the MiniLM files under ``.build/gpu-carry`` (56 MiB with the working tree, of the 64 that
+may travel); then the device tool's ``run`` with carry ``[".build/gpu-carry"]``, timeout_s 600, and this one line::
+
+    set -o pipefail; I='python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target'; $I /tmp/site .build/gpu-carry/wheels/*.whl && $I /tmp/stub-site .build/gpu-carry/stub-wheels/*.whl || exit 1; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; timeout 570 python3 -m bench.gpu_check --carry .build/gpu-carry --stub-path /tmp/stub-site --out $OUT 2>&1 | tee $OUT/gpu_check.log
+
+``--dry-run`` rehearses every step here on the CPU in ~2 minutes: the same export, the runner eager on
+the CPU, tritonserver on the CPU with the default config, a small grid and short levels (tests/test_gpu_check.py).
+"""  # noqa: E501 - the device command is one line
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import os
+import platform
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
+import traceback
 import types
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backends" / "torchscript"))
-sys.path.insert(0, str(ROOT / "server"))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from buckets import DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS, BucketTable, GraphSettings  # noqa: E402
-from runners import BucketedRunner  # noqa: E402
-from triton_embed_server.encoder_module import PooledEncoder  # noqa: E402
-
-MINILM = {
-    "hidden_size": 384,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 12,
-    "intermediate_size": 1536,
-    "vocab_size": 30522,
-    "max_position_embeddings": 512,
-    "hidden_act": "gelu",
-    "type_vocab_size": 2,
-}
+from bench import gpu_report, gpu_steps  # noqa: E402
 
 
-def build_module(device: torch.device) -> torch.jit.ScriptModule:
-    """Trace MiniLM-L6's architecture (random weights) + mean pooling + L2 norm, as ``make model`` does."""
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(**MINILM, attn_implementation="eager", return_dict=False)
-    model = PooledEncoder(BertModel(config).eval(), "mean").eval().to(device)
-    ids = torch.randint(1000, 2000, (2, 16), device=device)
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        return torch.jit.trace(model, (ids, mask), check_trace=False)
+class PhaseTimeout(Exception):
+    """A phase ran past its time limit."""
 
 
-def ragged(rng, rows: int, length: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Rows of 1..length tokens (one of exactly ``length``), right-padded."""
-    lengths = [int(x) for x in rng.integers(1, length + 1, size=rows)]
-    lengths[0] = length
-    ids = np.zeros((rows, length), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = rng.integers(1000, 29000, size=n)
-        mask[i, :n] = 1
-    return ids, mask, lengths
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures and how long each phase may take (seconds)."""
+
+    device: str
+    graphs: bool
+    batch_sizes: tuple[int, ...]
+    lengths: tuple[int, ...]
+    calls: int
+    in_process_s: float
+    single_calls: int
+    levels: tuple[int, ...]
+    level_s: float
+    level_warmup_s: float
+    client_processes: int
+    monitor_s: float
+    model_config_name: str | None
+    budget_s: float
+    limits: dict[str, float] = field(default_factory=dict)
 
 
-def time_calls(fn, calls: int) -> list[float]:
-    """Milliseconds per call (each call returns host data, so it includes the device sync)."""
-    out = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1000)
+GPU_PLAN = Plan(
+    device="cuda",
+    graphs=True,
+    batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+    lengths=(16, 32, 64, 128, 256),
+    calls=200,
+    in_process_s=5.0,
+    single_calls=200,
+    levels=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    level_s=4.0,
+    level_warmup_s=1.0,
+    client_processes=max(1, min(8, (os.cpu_count() or 2) // 2)),
+    monitor_s=8.0,
+    model_config_name="gpu",
+    budget_s=540.0,
+    limits={"environment": 90, "model": 60, "export": 240, "runner": 180, "speed": 120, "in-process": 60,
+            "monitor": 60, "served": 330},
+)  # fmt: skip
+DRY_PLAN = Plan(
+    device="cpu",
+    graphs=False,
+    batch_sizes=(1, 2, 4),
+    lengths=(16, 32),
+    calls=5,
+    in_process_s=2.0,
+    single_calls=10,
+    levels=(1, 2),
+    level_s=1.5,
+    level_warmup_s=0.5,
+    client_processes=1,
+    monitor_s=1.0,
+    model_config_name=None,
+    budget_s=480.0,
+    limits={"environment": 120, "model": 60, "export": 180, "runner": 120, "speed": 60, "in-process": 30,
+            "monitor": 30, "served": 240},
+)  # fmt: skip
+
+
+class Report:
+    """Results, checks and phase timings; written to ``gpu_check.json`` and ``gpu_check.md`` after every phase."""
+
+    def __init__(self, out: Path, plan: Plan, dry_run: bool) -> None:
+        self.out = out
+        self.data: dict = {"dry_run": dry_run, "plan": asdict(plan), "phases": {}, "checks": []}
+        self.lock = threading.Lock()
+
+    def check(self, name: str, ok: bool | None, figure: str, limit: str) -> None:
+        """Record a check row; ``ok`` None means not checked (reported, not a failure)."""
+        self.data["checks"].append({"name": name, "ok": ok, "figure": figure, "limit": limit})
+        print(f"  [{ {True: 'PASS', False: 'FAIL', None: 'NOT CHECKED'}[ok] }] {name}: {figure} (limit {limit})")
+
+    def ok(self, *phases: str) -> bool:
+        """True when every named phase ran and finished without an error."""
+        return all(self.data["phases"].get(p, {}).get("status") == "ok" for p in phases)
+
+    def run(self, name: str, limit_s: float, step, *, needs: tuple[str, ...] = ()):
+        """Run ``step()`` under a ``limit_s`` second alarm; store its dict result under ``name``; never raises.
+
+        Returns:
+            The step's result, or None when it failed, timed out or was skipped (a phase it needs did not pass).
+        """
+        missing = [p for p in needs if not self.ok(p)]
+        print(f"== {name} (limit {limit_s:.0f} s)", flush=True)
+        if missing:
+            self._phase(name, f"skipped: needs {', '.join(missing)}", 0.0)
+            return None
+
+        def on_alarm(signum, frame):
+            raise PhaseTimeout(f"{name} ran past its {limit_s:.0f} s limit")
+
+        start = time.monotonic()
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit_s)
+        try:
+            result = step()
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded and the run goes on
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            traceback.print_exc()
+            self._phase(name, f"failed: {type(exc).__name__}: {exc}", time.monotonic() - start)
+            return None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        if result is not None:
+            self.data[name] = result
+        self._phase(name, "ok", time.monotonic() - start)
+        return result
+
+    def _phase(self, name: str, status: str, seconds: float) -> None:
+        self.data["phases"][name] = {"status": status, "seconds": round(seconds, 2)}
+        print(f"   {name}: {status} ({seconds:.1f} s)", flush=True)
+        self.write()
+
+    def failed(self) -> bool:
+        """True when a check failed or a phase did not finish."""
+        return any(c["ok"] is False for c in self.data["checks"]) or not all(
+            p["status"] == "ok" for p in self.data["phases"].values()
+        )
+
+    def write(self) -> None:
+        """Write both files (safe to call from the watchdog thread)."""
+        with self.lock:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+            (self.out / "gpu_check.md").write_text(gpu_report.markdown(self.data))
+
+
+def versions() -> dict:
+    """Python, torch (and its CUDA), transformers, sentence-transformers, tokenizers, numpy, nvidia-pytriton."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict = {"python": platform.python_version(), "executable": sys.executable}
+    for name in ("torch", "transformers", "sentence_transformers", "tokenizers", "numpy"):
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except Exception as exc:  # noqa: BLE001 - a broken install is reported, not raised
+            out[name] = None
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+    for dist in ("nvidia-pytriton", "nvidia-ml-py"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    if out["torch"]:
+        import torch
+
+        out["torch_cuda"] = torch.version.cuda
+        out["cuda_available"] = torch.cuda.is_available()
+        out["gpu"] = torch.cuda.get_device_name(0) if out["cuda_available"] else None
     return out
 
 
-def load_monitor():
-    """``triton_embed.monitor`` without running ``triton_embed/__init__`` (which imports tritonclient).
-
-    Returns:
-        The ``triton_embed.monitor`` module.
-    """
-    if "triton_embed" not in sys.modules:
-        package = types.ModuleType("triton_embed")
-        package.__path__ = [str(ROOT / "client" / "triton_embed")]
-        sys.modules["triton_embed"] = package
-    import triton_embed.monitor
-
-    return triton_embed.monitor
+def _major_minor(text: str) -> tuple[int, int]:
+    parts = (text.split("+", maxsplit=1)[0].split(".") + ["0"])[:2]
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
 
-def check_monitor(run_load, device: torch.device, *, idle_s: float = 3.0, interval_s: float = 0.2) -> dict:
-    """Sample the GPUs while idle, then while ``run_load()`` runs; the monitor must see this GPU get busy.
+def version_problems(found: dict, *, need_cuda: bool) -> list[str]:
+    """Why these versions cannot run the check (empty when they can); each line names what was found."""
+    problems = [f"{name} cannot be imported: {found[f'{name}_error']}" for name in found if f"{name}_error" in found]
+    if found.get("torch") and _major_minor(found["torch"]) < (2, 1):
+        problems.append(f"torch {found['torch']}: CUDA graph capture as the runner does it needs torch 2.1 or newer")
+    if found.get("transformers") and _major_minor(found["transformers"])[0] < 5:
+        problems.append(
+            f"transformers {found['transformers']}: the exporter needs transformers 5 or newer (it passes a 4-D "
+            "additive attention mask, which transformers 5 takes as-is); carry a transformers 5 wheel"
+        )
+    if not found.get("nvidia-pytriton"):
+        problems.append("nvidia-pytriton is not installed: pip install --no-deps the carried wheel")
+    if need_cuda and found.get("torch") and not found.get("cuda_available"):
+        problems.append(f"torch {found['torch']} (CUDA {found.get('torch_cuda')}) sees no CUDA device")
+    return problems
 
-    Args:
-        run_load: blocks while it keeps ``device`` busy (seconds of work).
-        device: the CUDA device the load runs on; matched to an NVML GPU by UUID, else by name.
-        idle_s: seconds of idle baseline before the load.
-        interval_s: the monitor's sampling interval, seconds.
 
-    Returns:
-        ``{"checked": False, "reason": ...}`` when NVML cannot be used here, else the GPU the monitor named, the
-        utilisation (percent) idle and under load, the flagged episodes, and ``ok``.
-    """
-    monitor_module = load_monitor()
-    monitor = monitor_module.GpuMonitor(interval_s)
-    if not monitor.available:
-        return {"checked": False, "ok": False, "reason": monitor.unavailable_reason}
-    with monitor:
-        time.sleep(idle_s)
-        load_start = time.time()
-        run_load()
-        load_end = time.time()
-    samples = monitor.samples()
-    torch_uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "")).lower()
-    torch_name = torch.cuda.get_device_name(device)
-    mine = [s for s in samples if torch_uuid and s.uuid.lower().endswith(torch_uuid)]
-    matched_by = "uuid"
-    if not mine:
-        mine = [s for s in samples if s.name == torch_name]
-        matched_by = "name"
-    indices = sorted({s.index for s in mine})
-    mine = [s for s in mine if indices and s.index == indices[0]]
-    # NVML's utilisation covers its last sample period (up to 1 s): skip the first second of the load
-    idle = [s.gpu_util_pct for s in mine if s.timestamp < load_start]
-    busy = [s.gpu_util_pct for s in mine if load_start + 1.0 <= s.timestamp <= load_end]
-    idle_mean = float(np.mean(idle)) if idle else float("nan")
-    busy_mean = float(np.mean(busy)) if busy else float("nan")
-    episodes = monitor_module.find_episodes(samples, [], monitor_module.FlagThresholds(saturation_window_s=2.0))
-    result = {
-        "checked": True,
-        "gpu": {"index": indices[0], "name": mine[0].name, "uuid": mine[0].uuid, "matched_by": matched_by}
-        if mine
-        else None,
-        "gpus_seen": sorted({(s.index, s.name) for s in samples}),
-        "samples": len(samples),
-        "idle_util_pct_mean": idle_mean,
-        "load_util_pct_mean": busy_mean,
-        "load_util_pct_max": max(busy, default=float("nan")),
-        "load_mem_used_bytes_max": max((s.mem_used_bytes for s in mine), default=0),
-        "load_power_w_max": max((s.power_w for s in mine), default=float("nan")),
-        "episodes": [vars(e) | {"duration_s": e.duration_s} for e in episodes],
-        "processes_seen": sorted({pid for s in mine for pid, _ in s.processes}),
-    }
-    result["ok"] = bool(mine and idle and busy and busy_mean >= idle_mean + 20.0)
-    try:
-        from triton_embed.monitor.exporter import MonitorExporter
-    except ImportError as exc:  # prometheus-client not installed here
-        result["exporter"] = f"not checked: {exc}"
-    else:
-        from prometheus_client import generate_latest
+def environment(report: Report, dry_run: bool) -> dict:
+    """Print versions; fail on any that cannot work; find the pytriton stub and its libraries."""
+    found = versions()
+    report.data["versions"] = found
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items() if not k.endswith("_error")), flush=True)
+    problems = version_problems(found, need_cuda=not dry_run)
+    if problems:
+        raise RuntimeError("this environment cannot run the check:\n  " + "\n  ".join(problems))
+    package = gpu_steps.register_bare_pytriton()
+    missing = gpu_steps.stub_libraries_missing()
+    from triton_embed_server.layout import find_layout
 
-        exporter = MonitorExporter()
-        exporter.observe([s for s in samples if s.timestamp == samples[-1].timestamp], None)
-        text = generate_latest(exporter.registry).decode()
-        result["exporter"] = [line for line in text.splitlines() if line.startswith("triton_embed_gpu_utilization")]
+    result = {"pytriton": str(package), "stub": str(find_layout().stub()), "stub_libraries_missing": missing}
+    if missing:
+        result["warning"] = (
+            f"the Python backend stub cannot find {', '.join(missing)}: tritonserver will not load the models "
+            "(the served phase fails; the others run)"
+        )
+        print("WARNING: " + result["warning"], flush=True)
     return result
 
 
-def monitor_summary(monitor: dict, seconds: float) -> str:
-    """One line for gpu_check.md about :func:`check_monitor`'s result."""
-    if not monitor["checked"]:
-        return f"GPU monitor NOT CHECKED: {monitor['reason']}"
-    return (
-        f"GPU monitor {'OK' if monitor['ok'] else 'FAILED'}: reported {monitor['gpu']}; utilisation idle "
-        f"{monitor['idle_util_pct_mean']:.0f}% -> {monitor['load_util_pct_mean']:.0f}% mean "
-        f"({monitor['load_util_pct_max']:.0f}% max) under graph replays of 64 x 256 for {seconds:g} s; "
-        f"{monitor['samples']} samples; episodes {monitor['episodes']}"
+def start_watchdog(report: Report, budget_s: float) -> threading.Timer:
+    """After ``budget_s`` seconds: write what was measured, say so, exit 3 (tritonserver dies with us)."""
+
+    def expire() -> None:
+        report.data["phases"]["whole run"] = {"status": f"failed: ran past its {budget_s:.0f} s limit"}
+        report.write()
+        print(
+            f"gpu_check: the whole run passed its {budget_s:.0f} s limit; partial results in {report.out}", flush=True
+        )
+        os._exit(3)
+
+    timer = threading.Timer(budget_s, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase after another, read top to bottom
+    """Run every phase, write the report, print the summary; see the module docstring for the exit codes."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-check-out"), help="folder for the report files")
+    parser.add_argument("--carry", type=Path, default=ROOT / ".build" / "gpu-carry", help="make gpu-carry's folder")
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temporary one)")
+    parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU: small grid, short levels")
+    parser.add_argument(
+        "--stub-path",
+        type=Path,
+        default=None,
+        help="folder put first on the Python backend stubs' path only (numpy 1.26.4 on a machine with numpy 2)",
+    )
+    args = parser.parse_args(argv)
+    plan = DRY_PLAN if args.dry_run else GPU_PLAN
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    report = Report(args.out, plan, args.dry_run)
+    watchdog = start_watchdog(report, plan.budget_s)
+    limits = plan.limits
+    print(f"gpu_check {'DRY RUN on the CPU' if args.dry_run else 'on the GPU'}; work folder {work}", flush=True)
+
+    if report.run("environment", limits["environment"], lambda: environment(report, args.dry_run)) is None:
+        watchdog.cancel()
+        report.write()
+        return 2
+
+    import torch
+    from buckets import BucketTable, GraphSettings
+    from runners import BucketedRunner, load_module
+
+    device = torch.device(plan.device, 0) if plan.device == "cuda" else torch.device("cpu")
+    state = types.SimpleNamespace()
+    folder = work / "minilm-random"
+    repo = work / "model_repository"
+
+    report.run(
+        "model", limits["model"], lambda: gpu_steps.build_random_model(gpu_steps.minilm_source(args.carry), folder)
     )
 
+    def export_step() -> dict:
+        from triton_embed_server.encoder_module import device_problems
+        from triton_embed_server.export import MAX_ABS_DIFF, export
 
-def main() -> int:
-    """Run the checks; exit 1 when a replay differs from eager or the GPU monitor does not see the load."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--calls", type=int, default=200, help="timed calls per bucket and path")
-    parser.add_argument("--monitor-seconds", type=float, default=8.0, help="seconds of load for the monitor check")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
-        return 0
-    device = torch.device("cuda", 0)
-    module = build_module(device)
-    table = BucketTable.grid(DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS)
-    log_lines: list[str] = []
-    graph = BucketedRunner(module, device, GraphSettings(True, table, False), log=log_lines.append)
-    graph.warmup()
-    eager = BucketedRunner(module, device, GraphSettings(False, table, False), log=log_lines.append)
-    eager.warmup()
-    rng = np.random.default_rng(0)
-
-    diffs = {}
-    for bucket in table.buckets:
-        rows = max(1, bucket.batch_size - 1) if bucket.batch_size > 1 else 1
-        ids, mask, lengths = ragged(rng, rows, bucket.length)
-        out = graph(ids, mask)
-        with torch.no_grad():
-            ref = (
-                torch.cat(
-                    [
-                        module(
-                            torch.from_numpy(ids[i : i + 1, :n]).to(device),
-                            torch.from_numpy(mask[i : i + 1, :n]).to(device),
-                        )
-                        for i, n in enumerate(lengths)
-                    ]
-                )
-                .cpu()
-                .numpy()
-            )
-        diffs[str(bucket)] = float(np.abs(out - ref).max())
-
-    speed = []
-    for batch in DEFAULT_BATCH_SIZES:
-        ids = rng.integers(1000, 29000, size=(batch, 32)).astype(np.int64)
-        mask = np.ones_like(ids)
-        row = {"batch": batch, "length": 32}
-        for name, runner in (("eager", eager), ("graph", graph)):
-            times = time_calls(lambda r=runner, i=ids, m=mask: r(i, m), args.calls)
-            row[f"{name}_per_s"] = batch * 1000 / float(np.mean(times))
-            row[f"{name}_p99_ms"] = float(np.percentile(times, 99))
-        row["graph_over_eager"] = row["graph_per_s"] / row["eager_per_s"]
-        speed.append(row)
-
-    big_ids = rng.integers(1000, 29000, size=(64, 256)).astype(np.int64)
-    big_mask = np.ones_like(big_ids)
-
-    def load() -> None:
-        end = time.monotonic() + args.monitor_seconds
-        while time.monotonic() < end:
-            graph(big_ids, big_mask)
-
-    monitor = check_monitor(load, device)
-
-    worst = max(diffs.values())
-    result = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "load_log": log_lines,
-        "max_abs_diff_per_bucket": diffs,
-        "worst_diff": worst,
-        "speed_length_32": speed,
-        "graph_executions": {f"{k[0]}/{k[1]}": v for k, v in graph.stats.executions.items()},
-        "monitor": monitor,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [
-        f"GPU check on {result['device']}, torch {result['torch']}; worst |graph - eager| = {worst:.2e} "
-        f"over {len(diffs)} buckets (limit 1e-3).",
-        "",
-        "| batch x 32 tokens | eager sent/s | graph sent/s | graph / eager | eager p99 ms | graph p99 ms |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in speed:
-        lines.append(
-            f"| {r['batch']} | {r['eager_per_s']:.0f} | {r['graph_per_s']:.0f} | {r['graph_over_eager']:.2f} "
-            f"| {r['eager_p99_ms']:.2f} | {r['graph_p99_ms']:.2f} |"
+        gpu_steps.copy_repository(repo)
+        manifest = export(folder, repo, force=True)
+        written = repo / "encoder" / "1" / "model.pt"
+        pinned = device_problems(torch.jit.load(str(written), map_location="cpu"))
+        report.check(
+            "export with the project's exporter (its self-check vs sentence-transformers)",
+            manifest.max_abs_diff < MAX_ABS_DIFF,
+            f"max abs diff {manifest.max_abs_diff:.2g}",
+            f"< {MAX_ABS_DIFF:g}",
         )
-    lines += ["", monitor_summary(monitor, args.monitor_seconds)]
-    (args.out / "gpu_check.md").write_text("\n".join(lines) + "\n\n" + "\n".join(log_lines) + "\n")
-    print("\n".join(lines))
-    return 0 if worst < 1e-3 and (monitor["ok"] or not monitor["checked"]) else 1
+        report.check("device constants in the written model.pt", not pinned, "; ".join(pinned) or "none", "none")
+        return {
+            "exporter": f"{export.__module__}.{export.__qualname__}",
+            "manifest": asdict(manifest),
+            "model_pt_bytes": written.stat().st_size,
+            "tokenizer_json": str(repo / "tokenizer" / "1" / "tokenizer.json"),
+            "device_problems": pinned,
+        }
+
+    report.run("export", limits["export"], export_step, needs=("model",))
+
+    def runner_step() -> dict:
+        path = repo / "encoder" / "1" / "model.pt"
+        state.module = load_module(path, device)
+        state.module_cpu = load_module(path, torch.device("cpu"))
+        table = BucketTable.grid(plan.batch_sizes, plan.lengths)
+        lines: list[str] = []
+        state.graph = BucketedRunner(state.module, device, GraphSettings(plan.graphs, table, False), log=lines.append)
+        state.graph.warmup()
+        state.eager = BucketedRunner(state.module, device, GraphSettings(False, table, False), log=lines.append)
+        state.eager.warmup()
+        diffs = gpu_steps.check_buckets(state.graph, state.module, device, state.module_cpu)
+        path_name = "graph replay" if state.graph.use_graphs else "bucketed eager (no graphs on the CPU)"
+        report.check(
+            f"{path_name} vs each row eager on {device.type}, per bucket",
+            diffs["worst_vs_eager"] < gpu_steps.MAX_DIFF,
+            f"worst {diffs['worst_vs_eager']:.2g} over {len(diffs['vs_eager'])} buckets",
+            f"< {gpu_steps.MAX_DIFF:g}",
+        )
+        report.check(
+            f"{path_name} vs each row on the CPU, same file",
+            diffs["worst_vs_cpu"] < gpu_steps.MAX_DIFF,
+            f"worst {diffs['worst_vs_cpu']:.2g} over {len(diffs['vs_cpu'])} buckets",
+            f"< {gpu_steps.MAX_DIFF:g}",
+        )
+        return {"device": str(device), "graphs": state.graph.use_graphs, "load_log": lines, **diffs}
+
+    report.run("runner", limits["runner"], runner_step, needs=("export",))
+    report.run(
+        "speed",
+        limits["speed"],
+        lambda: {
+            "length_32": gpu_steps.speed_per_batch(state.eager, state.graph, list(plan.batch_sizes), calls=plan.calls)
+        },
+        needs=("runner",),
+    )
+
+    texts = gpu_steps.make_texts(folder / "vocab.txt", 4096) if (folder / "vocab.txt").is_file() else []
+
+    def in_process_step() -> dict:
+        state.tokenizer = gpu_steps.load_tokenizer(repo)
+        batch = max(plan.batch_sizes)
+        return gpu_steps.in_process(
+            state.graph, state.tokenizer, texts, batch=batch, seconds=plan.in_process_s, single_calls=plan.single_calls
+        )
+
+    report.run("in-process", limits["in-process"], in_process_step, needs=("runner",))
+
+    def monitor_step() -> dict:
+        from bench.gpu_monitor import check_monitor
+
+        biggest = max(state.graph.table.buckets, key=lambda b: b.tokens)
+        ids = torch.randint(1000, 29000, (biggest.batch_size, biggest.length)).numpy()
+        mask = ids * 0 + 1
+
+        def load() -> None:
+            end = time.monotonic() + plan.monitor_s
+            while time.monotonic() < end:
+                state.graph(ids, mask)
+
+        result = check_monitor(load, device)
+        result["load"] = f"{biggest} for {plan.monitor_s:g} s"
+        if result["checked"]:
+            figure = f"idle {result['idle_util_pct_mean']:.0f}% -> {result['load_util_pct_mean']:.0f}% under load"
+        else:
+            figure = result["reason"]
+        report.check("GPU monitor sees the load", result["ok"] if result["checked"] else None, figure, "+20 points")
+        return result
+
+    report.run("monitor", limits["monitor"], monitor_step, needs=("runner",))
+
+    def served_step() -> dict:
+        from triton_embed_server import embedded
+
+        if args.stub_path is not None:
+            embedded.server_environment = gpu_steps.with_stub_path(embedded.server_environment, args.stub_path)
+
+        log = work / "tritonserver.log"
+        server = embedded.EmbeddedServer(
+            model_repository=repo,
+            http_port=0,
+            grpc_port=0,
+            metrics_port=0,
+            log_file=log,
+            model_config_name=plan.model_config_name,
+        )
+        result: dict = {"model_config_name": plan.model_config_name, "stub_path": str(args.stub_path or "")}
+        start = time.monotonic()
+        server.start()
+        try:
+            server.wait_ready(timeout_s=limits["served"] / 2)
+            result["ready_s"] = round(time.monotonic() - start, 1)
+            print(f"   tritonserver ready in {result['ready_s']} s ({server.http_url})", flush=True)
+            same = gpu_steps.served_equals_in_process(
+                server.http_url, state.graph, state.tokenizer, gpu_steps.check_texts(texts)
+            )
+            result["equality"] = same
+            report.check(
+                "served (one text per request) vs in-process, same file and device",
+                same["max_abs_diff"] < gpu_steps.MAX_DIFF,
+                f"max abs diff {same['max_abs_diff']:.2g} over {same['texts']} texts",
+                f"< {gpu_steps.MAX_DIFF:g}",
+            )
+            texts_file = work / "texts.json"
+            texts_file.write_text(json.dumps(texts))
+            left = limits["served"] - (time.monotonic() - start) - 20
+            result.update(gpu_steps.run_sweep(server.http_url, texts_file, plan, timeout_s=max(10.0, left)))
+            result["batches"] = gpu_steps.encoder_batches(server.http_url)
+        finally:
+            result["exit_code"] = server.stop()
+            if log.is_file():
+                shutil.copyfile(log, report.out / "tritonserver.log")
+        return result
+
+    report.run("served", limits["served"], served_step, needs=("in-process",))
+    watchdog.cancel()
+    report.write()
+    print("\n" + gpu_report.markdown(report.data), flush=True)
+    return 1 if report.failed() else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
+    sys.exit(130)
