@@ -80,7 +80,7 @@ def markdown(data: dict) -> str:
             f"{level['throughput']:.0f} req/s at concurrency {level['concurrency']} (p99 {level['p99_ms']:.1f} ms); "
             f"{_fmt(ratio, '.2f')}x in-process"
             if level
-            else "no level without errors met it"
+            else "not met: every level had a higher p99 or errors"
             if (data.get("served") or {}).get("levels")
             else "not measured"
         )
