@@ -1,16 +1,10 @@
-"""The server's admission control over a run: its budget share and its refusals, sampled from Triton's ``/metrics``.
+"""The server's refusals over a run, sampled from Triton's ``/metrics``.
 
-The tokenizer refuses requests that the encoder could not finish within their latency budget, and plans with a
-share of that budget that the encoder lowers when its requests run late and at the start of a busy period
-(``python_backends/common/admission.py``, ``target.py``). A run's failures and tail are read against that: a
-second where the share fell is a second where the server judged itself late. Both backends publish what this
-reads (``python_backends/torchscript/model.py``):
-
-* ``triton_embed_admission_share`` (gauge, per encoder instance): the share, 0.25..1; the least one counts.
-* ``triton_embed_shed_requests_total`` (counter, label ``model``): requests refused by the tokenizer, shed by the
-  encoder.
-
-The libtorch encoder publishes neither: then nothing is sampled.
+The encoder refuses requests it could not finish within their latency budget (python_backends/torchscript/overload.py,
+docs/overload.md) and counts them in ``triton_embed_shed_requests_total{model="encoder"}``. A run's failures and tail
+are read against that timeline. ``share`` and ``refused`` (a gauge ``triton_embed_admission_share`` and the counter's
+``model="tokenizer"`` series) stay None and 0 on this server, which publishes neither; the libtorch encoder publishes
+no counter at all: then nothing is sampled.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ import gevent
 log = logging.getLogger("loadtest")
 
 SHARE_METRIC = "triton_embed_admission_share"
-SHED_METRIC = "triton_embed_shed_requests_total"  # python_backends/common/shedding.py: SHED_METRIC
+SHED_METRIC = "triton_embed_shed_requests_total"  # python_backends/torchscript/overload.py: METRIC
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The SLA gate: latency percentiles and failure ratio over the measured window, PASS or FAIL.
 
 Percentiles are exact (NumPy's linear interpolation over every successful request in the window), not Locust's
-rounded histogram. Requests that started before the window (ramp-up and warm-up) are left out.
+rounded histogram, over the requests that started in the measured window: ramp-up and warm-up are left out of the
+latencies. Every failure a user saw counts, in the window or before it: a request refused during the warm-up is a
+failure all the same.
 """
 
 from __future__ import annotations
@@ -74,14 +76,14 @@ class GateResult:
 
     Attributes:
         passed: every limit of the :class:`SlaSpec` met.
-        requests, failures: requests started in the window, and how many of them failed.
+        requests, failures: requests started before the window closed (warm-up included), and how many of them
+            failed: the failure ratio counts every failure a user saw.
         window_s: length of the window, seconds; throughput_rps: successful requests per second in it.
         p50_ms, p95_ms, p99_ms, max_ms: latency of the successful requests, milliseconds (0.0 when none).
         reasons: one line per limit that was missed, naming the measure, the value and the limit.
         spec: the limits applied.
-        warmup_requests, warmup_failures: requests that started before the window (not judged), and how many of
-            them failed (e.g. refused while admission control calibrated on an idle server); shown in the line
-            when any failed, so the verdict and Locust's whole-run table can be read together.
+        warmup_requests, warmup_failures: of those, the requests that started before the window (ramp-up and
+            warm-up, left out of the latencies) and how many of them failed; shown in the line when any failed.
     """
 
     passed: bool
@@ -100,7 +102,7 @@ class GateResult:
 
     @property
     def fail_ratio(self) -> float:
-        """Failed / all requests in the window (0.0 when there were none)."""
+        """Failed / all requests, warm-up included (0.0 when there were none)."""
         return self.failures / self.requests if self.requests else 0.0
 
     def line(self) -> str:
@@ -112,10 +114,7 @@ class GateResult:
             f"(limit {100 * s.max_fail_ratio:g}%), {self.throughput_rps:.1f} req/s over {self.window_s:.1f} s"
         )
         if self.warmup_failures:
-            figures += (
-                f"; not judged: {self.warmup_failures} of {self.warmup_requests} requests failed in the warm-up "
-                f"before the window"
-            )
+            figures += f"; {self.warmup_failures} of the failures were in the warm-up, before the window"
         if self.passed:
             return f"SLA PASS: {figures}"
         return f"SLA FAIL: {'; '.join(self.reasons)} -- {figures}"
@@ -136,7 +135,7 @@ def window(samples: list[Sample], start_s: float, end_s: float) -> list[Sample]:
 
 
 def evaluate(samples: list[Sample], start_s: float, end_s: float, spec: SlaSpec) -> GateResult:
-    """Apply ``spec`` to the requests that started in ``[start_s, end_s)``.
+    """Apply ``spec``: latencies of the requests that started in ``[start_s, end_s)``, failures of all before ``end_s``.
 
     Raises:
         ValueError: ``end_s <= start_s`` (an empty window: the run was shorter than its warm-up).
@@ -145,21 +144,22 @@ def evaluate(samples: list[Sample], start_s: float, end_s: float, spec: SlaSpec)
         raise ValueError(f"empty measurement window: it starts at {start_s:.1f} and ends at {end_s:.1f} (s)")
     chosen = window(samples, start_s, end_s)
     before = [x for x in samples if x.start_s < start_s]
+    counted = before + chosen
     ok = np.array([x.response_ms for x in chosen if not x.failed])
-    failures = sum(x.failed for x in chosen)
+    failures = sum(x.failed for x in counted)
     p50, p95, p99 = percentiles(ok, [50, 95, 99])
     reasons = []
     if p99 > spec.p99_ms:
         reasons.append(f"p99 {p99:.1f} ms > {spec.p99_ms:g} ms")
     if p95 > spec.p95_ms:
         reasons.append(f"p95 {p95:.1f} ms > {spec.p95_ms:g} ms")
-    if chosen and failures / len(chosen) > spec.max_fail_ratio:
-        reasons.append(f"failure ratio {100 * failures / len(chosen):.3f}% > {100 * spec.max_fail_ratio:g}%")
+    if counted and failures / len(counted) > spec.max_fail_ratio:
+        reasons.append(f"failure ratio {100 * failures / len(counted):.3f}% > {100 * spec.max_fail_ratio:g}%")
     if ok.size < spec.min_requests:
         reasons.append(f"only {ok.size} successful requests in the window (need {spec.min_requests})")
     return GateResult(
         passed=not reasons,
-        requests=len(chosen),
+        requests=len(counted),
         failures=failures,
         window_s=end_s - start_s,
         throughput_rps=ok.size / (end_s - start_s),

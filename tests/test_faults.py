@@ -1,8 +1,7 @@
-"""Overload, crashed backend stubs and shutdown, each against a server of its own on free loopback ports."""
+"""Crashed backend stubs, reloads and shutdown, each against a server of its own on free loopback ports."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -10,7 +9,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,53 +19,12 @@ from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.shm import backend_regions
 from triton_embed_server.supervisor import STARTUP_INTERVAL_S, StubWatchdog, proc_state, stub_processes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_backends" / "common"))
-from loadboard import board_dir  # noqa: E402
-
-from bench.burst import ONSET_S, SHED, SLA_MS, burst, summarize
-
-WHOLE_BURST_P99_BOUND_MS = 1000.0
-"""Bound on the accepted requests' p99 over the whole burst, onset and any stall of the machine included (client
-side): no accepted request waits for seconds. Measured on 2 cores, where this test's 192 clients share the cores
-with the server: 183-361 ms with admission control and its share feedback (195-400 ms, and 543 ms once in a
-stall, before the feedback); 680-730 ms without any shedding. The
-SLA itself is asserted second by second after the onset (bench.burst.ONSET_S, BurstSummary.window_p99_ms)."""
-
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("faults") / "tritonserver.log"
     with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
         yield srv
-
-
-def test_burst_above_capacity_is_refused_at_once_and_accepted_requests_mostly_meet_the_sla(fault_server, sts_dev):
-    texts = [p.a for p in sts_dev]  # burst() makes every request unique: no response-cache hits
-    answers = asyncio.run(burst(fault_server.grpc_url, texts, clients=192, seconds=10.0, timeout_s=10.0))
-    summary = summarize(answers, seconds=10.0)
-    print(summary)  # shown when the test fails
-    outcomes = {outcome: sum(a.outcome == outcome for a in answers) for outcome in {a.outcome for a in answers}}
-    assert set(outcomes) <= {"ok", SHED}, outcomes  # nothing hung, nothing else failed
-    assert summary.ok > 500, summary  # it kept serving
-    assert summary.shed > 100, summary  # 4x the SLA point: what cannot finish in time is refused
-    assert all("LATENCY_BUDGET_MS" in a.message for a in answers if a.outcome == SHED)
-    # Accepted requests meet the SLA but for a few percent, and most seconds keep p99 near it. Measured on these
-    # 2 shared cores (192 clients on the same cores): 0.3-4.1% of accepted requests over 200 ms (~6% before the
-    # share feedback; nearly all with the encoder's shedding alone, p99 268+ ms); per-second p99 after the onset
-    # within 200 ms in 7-8 of 9 seconds in most runs, but 3 of 9 once in CI, with seconds at 203-212 ms and a
-    # 504 ms stall. The bounds leave room for that noise: 10% over the SLA, p99 <= 250 ms in most seconds.
-    assert summary.over_sla <= 0.10 * summary.ok, summary
-    windows = len(summary.window_p99_ms)
-    assert summary.seconds_within(1.25 * SLA_MS) > windows / 2, f"p99 per second after {ONSET_S:g} s: {summary}"
-    assert summary.p99_ms < WHOLE_BURST_P99_BOUND_MS, summary
-
-    metric = "triton_embed_shed_requests_total"
-    refused = {k: v for k, v in scrape(fault_server.metrics_url).items() if k.startswith(f"{metric}{{")}
-    assert sum(refused.values()) == summary.shed, refused
-    # Refused at once, by the tokenizer's admission control, not after queueing for the encoder.
-    assert refused[f'{metric}{{model="tokenizer"}}'] > 0.9 * summary.shed, refused
-    with EmbeddingClient(url=fault_server.grpc_url) as client:
-        assert client.embed(["served normally after the burst"]).shape == (1, 384)
 
 
 @pytest.mark.parametrize("model", ["tokenizer", "encoder"])
@@ -90,7 +47,7 @@ def test_killed_stub_is_replaced_without_a_server_restart(fault_server, referenc
 def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(fault_server, reference, model):
     """After a reload through the admin API: the watchdog does not reload again (it did, in a loop: the retired stub
     looked like a crash); the custom metrics are still there (the old instance's finalize deleted the new one's,
-    and tritonserver then crashed under load); the encoder's load board file is still there (it was removed)."""
+    and tritonserver then crashed under load)."""
     reloads = list(fault_server.watchdog.reloads)
     base = f"http://{fault_server.http_url}/v2"
     with urllib.request.urlopen(f"{base}/models/{model}/config", timeout=10) as response:  # noqa: S310
@@ -112,8 +69,6 @@ def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(
     rows = scrape(fault_server.metrics_url)
     for name in ("triton_embed_shed_requests_total", "triton_embed_padded_tokens_total"):
         assert any(k.startswith(f"{name}{{") for k in rows), sorted(rows)
-    assert 'triton_embed_shed_requests_total{model="tokenizer"}' in rows
-    assert list(board_dir().glob(f"triton-embed-*-{fault_server.pid}-encoder-*.load")), "the encoder's load board"
 
 
 def test_a_stub_killed_with_a_request_in_it_leaves_a_quick_clean_stop_and_no_shared_memory(tmp_path):

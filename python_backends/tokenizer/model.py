@@ -7,26 +7,16 @@ the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds 
 Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call (texts over 4,096 characters
 from their head when that gives the same ids: ``common/long_texts.py``), and split back per request.
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
-that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0. ``arrival_ns``, int64
-``[n_texts, 1]``, is ``time.monotonic_ns()`` when this execute began plus the request's index in it (one clock for
-every process on the host; unique per request, so it also orders them): the encoder sheds requests that can no
-longer finish in time (``LATENCY_BUDGET_MS``, encoder config). ``tokenize_ns``, int64 ``[n_texts, 1]``, is the
-request's own share of this execute's work (:func:`own_work_ns`), which the encoder does not count as waiting.
-
-Admission control (``common/admission.py``): before answering, each request's finish is predicted from the load the
-encoder named by ``ADMISSION_MODEL`` publishes (``common/loadboard.py``) plus the requests admitted here that it has
-not taken yet; a request that would miss the encoder's latency budget (or the share of it that the encoder's
-lateness feedback allows, ``common/target.py``) is refused at once (UNAVAILABLE, counted in
-``triton_embed_shed_requests_total{model="tokenizer"}``) instead of queueing ~200 ms to be shed there. A
-request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a
-text over max_seq_length tokens when truncation is off) gets its own INVALID_ARG error; the others still succeed.
+that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0, and ``queued_ns``, int64
+``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue (one clock for
+every process on the host), from which the encoder's overload control counts each request's wait
+(python_backends/torchscript/overload.py). A bad request (missing input, wrong shape, no texts, a text over
+``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a text over max_seq_length tokens when truncation is off) gets its
+own INVALID_ARG error; the others still succeed.
 
 Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default, cuts long
-texts at max_seq_length as sentence-transformers does; ``error`` rejects them), ``ADMISSION_MODEL`` (the encoder
-model whose load is read; empty = no admission control). Request parameters: ``truncate`` (true/false) overrides
-``TRUNCATION``; ``latency_budget_ms`` overrides the encoder's budget (0 = never refuse); ``sent_ns`` (the client's
-send, ``time.time_ns()``) makes the budget count the time the request took to get here too, beyond the
-``SEND_ALLOWANCE_MS`` it leaves for that.
+texts at max_seq_length as sentence-transformers does; ``error`` rejects them). Request parameter: ``truncate``
+(true/false) overrides ``TRUNCATION``.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-# Code shared with the encoder backend (cost model, shedding, load board): python_backends/common, beside this
+# Code shared with the encoder backend (long texts): python_backends/common, beside this
 # backend's folder (resolved, because the embedded server's backend directory links to python_backends/tokenizer).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 # Batches here are a few short texts: the Rust thread pool of encode_batch only fights the encoder's torch
@@ -52,30 +42,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from admission import Backlog, cost_of
-from loadboard import LoadReader
 from long_texts import encode_heads, margin_chars
-from metric_lifetime import keep
-from shedding import (
-    SHED_METRIC,
-    SHED_METRIC_HELP,
-    BudgetError,
-    budget_from_parameters,
-    late_arrival_ms,
-    request_parameters,
-    sent_age_ms,
-)
-from target import share_of
 from tokenizers import Tokenizer
 
 INPUT = "TEXT"
 OUTPUTS = ("input_ids", "attention_mask")
-ARRIVAL = "arrival_ns"
-OWN_WORK = "tokenize_ns"
-ENSEMBLE_HOP_MS = 1.0
-"""Time for the ensemble to hand a tokenizer response to the encoder's queue, ms (rough; with this execute's
-duration it is the transit that decides whether a new request can still join the encoder's next batch)."""
-TRANSIT_ALPHA = 0.1
+QUEUED = "queued_ns"
 
 
 class RequestError(ValueError):
@@ -115,19 +87,13 @@ def decode_texts(tensor, max_bytes: int) -> list[str]:
     return texts
 
 
-def own_work_ns(chars_per_request: list[int], work_ns: int) -> list[int]:
-    """Each request's share of ``work_ns`` (this execute's decoding and tokenization, ns) by characters tokenized.
-
-    ``chars_per_request``: the characters tokenized for each request (``long_texts.encode_heads``: a long text read
-    from its head counts its head), 0 for a request that failed decoding.
-
-    The encoder does not count a request's share as waiting (``tokenize_ns``): 32 texts of 65,000 characters without
-    a space take ~0.5 s to tokenize into one token each, so an idle server shed them at every try as "waited 522 ms"
-    (a new user's trial). Tokenization time grows about linearly with the characters tokenized; the rest of the
-    execute (the other requests' texts) still counts as waiting.
-    """
-    total = sum(chars_per_request)
-    return [work_ns * n // total if total else 0 for n in chars_per_request]
+def request_parameters(parameters: str | None) -> dict:
+    """A request's parameters (JSON text from ``request.parameters()``) as a dict; {} when absent or unreadable."""
+    try:
+        value = json.loads(parameters or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def token_count(encoding, special_tokens: int) -> int:
@@ -179,29 +145,12 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"parameter TRUNCATION must be 'truncate' or 'error'; got {self.truncate!r}"
             )
-        admission_model = params.get("ADMISSION_MODEL", "")
-        # The stub's parent is the tritonserver process; the encoder's stubs publish under the same pid.
-        self.loads = LoadReader(os.getppid(), admission_model) if admission_model else None
-        instances = sum(int(group.get("count", 1)) for group in self.model_config.get("instance_group", [])) or 1
-        self.backlog = Backlog(share=instances)
-        self._transit_ms = 1.0  # moving average: this execute's duration + ENSEMBLE_HOP_MS (see _admit)
-        self._refused_ns = 0  # when this instance last refused a request (monotonic ns)
-        self._shed_family = pb_utils.MetricFamily(
-            name=SHED_METRIC, description=SHED_METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
-        )
-        self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
-
-    def finalize(self) -> None:
-        """Leave the metric and its family to Triton (``common/metric_lifetime.py``), so a reload keeps its own."""
-        keep(self._shed_metric, self._shed_family)
-        self._shed_metric = None
-        self._shed_family = None
 
     def _truncates(self, parameters: dict) -> bool:
         """Truncate this request's long texts? Request parameter ``truncate`` (bool) wins over ``TRUNCATION``.
 
         Args:
-            parameters: the request's parameters (``shedding.request_parameters``).
+            parameters: the request's parameters (:func:`request_parameters`).
 
         Raises:
             RequestError: ``truncate`` is present but not a bool.
@@ -213,8 +162,6 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         """Tokenise all requests' texts in one call; one response per request, in order."""
-        arrival_ns = time.monotonic_ns()  # + request index: one unique, ordered stamp per request
-        wall_ns = time.time_ns()  # the clock of the request parameter sent_ns
         parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
         errors: dict[int, str] = {}
@@ -235,7 +182,6 @@ class TritonPythonModel:
         rows, tokenized = iter(encodings), iter(chars)
         per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
         chars_of = [None if texts is None else [next(tokenized) for _ in texts] for texts in texts_per_request]
-        own_ns = own_work_ns([sum(c) if c else 0 for c in chars_of], time.monotonic_ns() - arrival_ns)
 
         for i, encs in enumerate(per_request):
             if encs is None:
@@ -254,74 +200,15 @@ class TritonPythonModel:
                         f"{token_count(encs[long], self._special_tokens)} tokens; the limit is {self.max_tokens} "
                         "(the model's max_seq_length) and truncation is off for this request"
                     )
-        refusals = self._admit(requests, per_request, errors, arrival_ns, wall_ns, parameters=parameters)
+        queued_ns = time.monotonic_ns()
         responses = []
         for i, encs in enumerate(per_request):
             if i in errors:
                 error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
-            if i in refusals:
-                error = pb_utils.TritonError(refusals[i], pb_utils.TritonError.UNAVAILABLE)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
-                continue
             ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
-            arrival = np.full((len(encs), 1), arrival_ns + i, dtype=np.int64)
-            tensors = [pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask)]
-            tensors.append(pb_utils.Tensor(ARRIVAL, arrival))
-            tensors.append(pb_utils.Tensor(OWN_WORK, np.full((len(encs), 1), own_ns[i], dtype=np.int64)))
+            queued = pb_utils.Tensor(QUEUED, np.full((len(encs), 1), queued_ns, dtype=np.int64))
+            tensors = [pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask), queued]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-        took_ms = (time.monotonic_ns() - arrival_ns) / 1e6
-        self._transit_ms += TRANSIT_ALPHA * (took_ms + ENSEMBLE_HOP_MS - self._transit_ms)
         return responses
-
-    def _admit(
-        self,
-        requests: list,
-        per_request: list,
-        errors: dict[int, str],
-        arrival_ns: int,
-        wall_ns: int,
-        *,
-        parameters: list[dict],
-    ) -> dict[int, str]:
-        """Admission control: ``{request index: UNAVAILABLE message}`` for requests refused (see the module doc).
-
-        Requests already in ``errors`` are skipped, and so are those that do not ask for ``arrival_ns`` (direct callers
-        of this model; the ensemble asks for it); a bad ``latency_budget_ms`` or ``sent_ns`` parameter is added to
-        ``errors`` (INVALID_ARG). A request with ``sent_ns`` (the client's send; ``wall_ns`` is now on the same clock)
-        has its budget cut by how late it arrived (``shedding.late_arrival_ms``). Without a published encoder load
-        nothing is refused.
-        """
-        if self.loads is None:
-            return {}
-        loads = self.loads.read(arrival_ns)
-        if not loads:
-            return {}
-        latest = max(loads, key=lambda load: load.updated_ns)
-        share = share_of(loads, arrival_ns)
-        cost = cost_of(loads, arrival_ns, refused_ns=self._refused_ns)
-        plan = self.backlog.plan(loads, cost, arrival_ns, transit_ms=self._transit_ms)
-        refusals: dict[int, str] = {}
-        for i, encs in enumerate(per_request):
-            if encs is None or i in errors or ARRIVAL not in requests[i].requested_output_names():
-                continue  # a direct caller of this model, not the ensemble: nothing goes on to the encoder
-            try:
-                budget = budget_from_parameters(parameters[i], latest.budget_ms)
-                waited = late_arrival_ms(sent_age_ms(parameters[i], wall_ns))
-            except BudgetError as exc:
-                errors[i] = str(exc)
-                continue
-            rows, width = len(encs), max(len(e.ids) for e in encs)
-            refusal = plan.judge(rows, width, budget, share, waited_ms=waited)
-            if refusal is None:
-                self.backlog.admit(plan, arrival_ns + i, rows, width, budget)
-                continue
-            refusals[i] = refusal.message()
-            # Only a refusal the queue causes makes admission cautious for everyone (admission.cost_of); one that
-            # the client's late arrival alone causes (a clock behind ours, its own stalls) must not.
-            if not waited or plan.judge(rows, width, budget, share) is not None:
-                self._refused_ns = arrival_ns
-        if refusals:
-            self._shed_metric.increment(len(refusals))
-        return refusals

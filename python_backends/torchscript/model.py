@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # The 2.51 Python backend stub starts its interpreter without reading PYTHONPATH; the embedded server passes its
@@ -43,7 +44,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from metric_lifetime import keep
-from overload import METRIC, METRIC_HELP, BudgetError, RunTime, request_budget_ms, shed
+from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, RunTime, request_budget_ms, shed
 from runners import BucketedRunner, load_module
 
 INPUTS = ("input_ids", "attention_mask")
@@ -141,10 +142,10 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         threads = int(params.get("TORCH_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
         self.latency_budget_ms = float(params.get("LATENCY_BUDGET_MS", "0"))
-        if self.latency_budget_ms < 0:
-            raise pb_utils.TritonModelException(
-                f"parameter LATENCY_BUDGET_MS must be >= 0 (0 = no shedding); got {self.latency_budget_ms:g}"
-            )
+        self.refusal_hold_ns = int(float(params.get("REFUSAL_HOLD_MS", "0")) * 1e6)
+        for name, value in (("LATENCY_BUDGET_MS", self.latency_budget_ms), ("REFUSAL_HOLD_MS", self.refusal_hold_ns)):
+            if value < 0:
+                raise pb_utils.TritonModelException(f"parameter {name} must be >= 0; got {value:g}")
         torch.set_num_threads(threads)
 
         if args.get("model_instance_kind") == "GPU":
@@ -168,18 +169,8 @@ class TritonPythonModel:
             ),
         )
         self.runner.warmup()
-        self.cost = self._calibrated_cost()
-        self.max_rows = int(self.model_config.get("max_batch_size", 0)) or 1
-        self._newest_started_ns = 0
-        self._late_ns = 0
-        self.target = AdmissionTarget()  # the share of the budget the tokenizer may plan with, steered by lateness
-        try:  # the stub's parent is the tritonserver process, which names the board for the tokenizer
-            remove_stale()
-            self.board = LoadBoard(board_path(os.getppid(), args["model_name"], args["model_instance_name"]))
-        except OSError as exc:
-            self.board = None
-            pb_utils.Logger.log_warn(f"{args['model_name']}: no load board ({exc}); no early refusal in the tokenizer")
-        self._publish()
+        self.run_time = self._calibrated_run_time()
+        self.refusals = RefusalHold()
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -189,11 +180,10 @@ class TritonPythonModel:
                 "re-run `make model`, which sets the configs' dims"
             )
 
-    def _calibrated_cost(self) -> CostModel:
-        """The shedding cost model's first estimate: warm 1 x 8 executions (fixed part), 32 x 32 (per token).
+    def _calibrated_run_time(self) -> RunTime:
+        """The first run-time estimate: warm 1 x 8 executions (fixed part), 32 x 32 (per token), fastest of 3 each.
 
-        The fastest of 3 each: a load time shared with other work (another server loading) slows some runs, and
-        the executions after it teach the model the load it really meets (``CostModel.observe``).
+        The executions that follow teach it the load it really meets (``RunTime.observe``).
         """
 
         def took_ms(rows: int, width: int) -> float:
@@ -206,144 +196,78 @@ class TritonPythonModel:
             return min(runs)
 
         fixed = took_ms(1, 8)
-        return CostModel(ms_per_token=max(0.0, took_ms(32, 32) - fixed) / (32 * 32), fixed_ms=fixed)
+        return RunTime(ms_per_token=max(0.0, took_ms(32, 32) - fixed) / (32 * 32), fixed_ms=fixed)
 
     def finalize(self) -> None:
-        """Leave the metrics to Triton (``common/metric_lifetime.py``); remove this instance's load board file."""
+        """Answer the refusals still held; leave the metrics to Triton (``common/metric_lifetime.py``)."""
+        self.refusals.close()
         self._metrics.close()
-        if self.board is not None:
-            self.board.close()
 
-    def _publish(self, running_since_ns: int = 0, running_ms: float = 0.0) -> None:
-        """Write this instance's load for the tokenizer's admission control (a few microseconds).
+    def execute(self, requests: list) -> None:
+        """Validate each request, refuse those that cannot end in time, run the rest as one batch, split the rows.
 
-        Args:
-            running_since_ns: when the execution now starting began (monotonic ns); 0 = idle.
-            running_ms: its typical duration by the cost model (no margin), ms.
+        Every request is answered through its response sender: at once, or a refusal when it falls due
+        (``overload.RefusalHold``), so that a held refusal never holds up the next execution.
         """
-        if self.board is None:
-            return
-        self.board.publish(
-            EncoderLoad(
-                pid=os.getpid(),
-                updated_ns=time.monotonic_ns(),
-                running_since_ns=running_since_ns,
-                running_ms=running_ms,
-                newest_started_ns=self._newest_started_ns,
-                late_ns=self._late_ns,
-                fixed_ms=self.cost.fixed_ms,
-                ms_per_token=self.cost.ms_per_token,
-                margin=self.cost.margin,
-                budget_ms=self.latency_budget_ms,
-                admit_share=self.target.share,
-                max_rows=self.max_rows,
-            )
-        )
-
-    def execute(self, requests: list) -> list:
-        """Validate each request, shed late ones, run the rest as one padded batch; one response per request."""
-        now_ns, wall_ns = time.monotonic_ns(), time.time_ns()  # wall: the clock of the request parameter sent_ns
-        if idle(self._newest_started_ns, now_ns):
-            self.target.woke()  # a busy period begins: the cost model was taught by another load
+        now_ns = time.monotonic_ns()
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
+        stamps: list[int | None] = []
+        waited: list[float | None] = []
         budgets: list[float] = []
-        before: list[float] = []  # per request, how late it reached the tokenizer, ms (by sent_ns; else 0)
-        stamps = [arrival_stamp(request) for request in requests]
-        self._newest_started_ns = max([self._newest_started_ns, *(s for s in stamps if s is not None)])
-        # the waits count from the stamp plus the tokenizer's time on the request's own texts: that is its own work
-        waits_from = [
-            None if stamp is None else stamp + (arrival_stamp(request, OWN_WORK) or 0)
-            for stamp, request in zip(stamps, requests, strict=True)
-        ]
-        for i, request in enumerate(requests):
+        for i, request in enumerate(requests):  # validate
+            stamps.append(queued_stamp(request))
+            waited.append(None if stamps[i] is None else (now_ns - stamps[i]) / 1e6)
             try:
-                parameters = request_parameters(request.parameters())
-                budget = budget_from_parameters(parameters, self.latency_budget_ms)
-                age = sent_age_ms(parameters, wall_ns)
-                piece = read_request(request, self.max_seq_length, self.vocab_size)
+                budgets.append(request_budget_ms(request.parameters(), self.latency_budget_ms))
+                pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
             except (RequestError, BudgetError) as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                budget, age, piece = 0.0, 0.0, None
-            budgets.append(budget)
-            before.append(0.0 if stamps[i] is None else late_arrival_ms(age - (now_ns - stamps[i]) / 1e6))
-            pieces.append(piece)
-        late = any(budgets) and self._shed_late(pieces, errors, now_ns, waits_from, budgets, before=before)
+                budgets.append(0.0)
+                pieces.append(None)
+        live = [i for i, piece in enumerate(pieces) if piece is not None]
+        refused = shed(  # overload control (overload.py)
+            [waited[i] for i in live],
+            [pieces[i][0].shape[0] for i in live],
+            [last_real_column(pieces[i][1]) + 1 for i in live],
+            [budgets[i] for i in live],
+            self.run_time,
+        )
+        for k, message in refused.items():
+            error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+            answer = _answer(requests[live[k]], pb_utils.InferenceResponse(output_tensors=[], error=error))
+            self.refusals.hold(stamps[live[k]] + self.refusal_hold_ns, answer)
+            pieces[live[k]] = None
+        if refused:
+            self._metrics.shed(len(refused))
 
-        valid = [p for p in pieces if p is not None]
-        embeddings = None
-        if valid:
+        valid = [piece for piece in pieces if piece is not None]
+        if valid:  # merge -> run
             ids, mask = merge_ragged(valid)
-            self._publish(running_since_ns=time.monotonic_ns(), running_ms=self.cost.typical_ms(*ids.shape))
             start = time.perf_counter()
             embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
-            self.cost.observe((time.perf_counter() - start) * 1000, *ids.shape)
+            self.run_time.observe((time.perf_counter() - start) * 1000, *ids.shape)
             if embeddings.shape != (ids.shape[0], self.dim):
                 raise pb_utils.TritonModelException(
                     f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
                     f"[{ids.shape[0]}, {self.dim}]"
                 )
-        end_ns = time.monotonic_ns()
-        if any(  # any request that ran late here tells the tokenizer to admit cautiously (admission.cost_of)
-            piece is not None and stamp is not None and 0 < budget < (end_ns - stamp) / 1e6
-            for piece, stamp, budget in zip(pieces, waits_from, budgets, strict=True)
-        ):  # (late by the server's own time: a client's late arrival by sent_ns may be its clock, not our queue)
-            self._late_ns, late = end_ns, True
-        if any(budget and stamp for budget, stamp in zip(budgets, stamps, strict=True)):
-            self.target.executed(late)  # the tokenizer's share of the budget (common/target.py)
-            self._metrics.share(self.target.share)
-        self._publish()
 
-        responses = []
-        start = 0
+        row = 0  # split
         for i, piece in enumerate(pieces):
-            if piece is None:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=errors[i]))
-                continue
-            n = piece[0].shape[0]
-            out = np.ascontiguousarray(embeddings[start : start + n])
-            start += n
-            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))
-        return responses
+            if piece is not None:
+                n = piece[0].shape[0]
+                out = np.ascontiguousarray(embeddings[row : row + n])
+                row += n
+                _answer(requests[i], pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))()
+            elif i in errors:
+                _answer(requests[i], pb_utils.InferenceResponse(output_tensors=[], error=errors[i]))()
 
-    def _shed_late(
-        self, pieces: list, errors: dict, now_ns: int, stamps: list, budgets: list[float], *, before: list[float]
-    ) -> bool:
-        """Turn the requests :func:`shedding.choose_shed` picks into UNAVAILABLE errors (in place).
 
-        A request's wait is the time since ``stamps`` (the tokenizer's stamp plus its time on the request's own
-        texts, ``tokenize_ns``) plus ``before`` (how late it got there from the client's send, by ``sent_ns``:
-        ``shedding.late_arrival_ms``).
-
-        Returns:
-            whether the server's own queue called for shedding: the same choice on the waits since the stamps alone
-            sheds some request. Only then does the lateness feed back to admission (``late_ns``, the share): one
-            client whose clock runs behind the server's would otherwise make it cautious for everyone (a new
-            user's trial: 8 other clients refused 1.2-1.8% of their requests at p99 ~70 ms).
-        """
-        live = [i for i, p in enumerate(pieces) if p is not None]
-        queued = [None if stamps[i] is None else (now_ns - stamps[i]) / 1e6 for i in live]
-        waited = [None if q is None else q + before[i] for q, i in zip(queued, live, strict=True)]
-        rows = [pieces[i][0].shape[0] for i in live]
-        widths = [last_real_column(pieces[i][1]) + 1 for i in live]
-        live_budgets = [budgets[i] for i in live]
-        shed = choose_shed(waited, rows, widths, self.cost, live_budgets)
-        estimate = self.cost.estimate_ms(sum(rows), max(widths)) if shed else 0.0
-        for k in shed:
-            i = live[k]
-            sent = f" ({before[i]:.0f} ms of it late in reaching the tokenizer, by sent_ns)" if before[i] >= 0.5 else ""
-            cause = (
-                f"the request waited {waited[k]:.0f} ms before the encoder{sent} and its batch needs "
-                f"~{estimate:.0f} ms, over"
-            )
-            errors[i] = pb_utils.TritonError(overloaded(cause, budgets[i]), pb_utils.TritonError.UNAVAILABLE)
-            pieces[i] = None
-        if shed:
-            self._metrics.shed(len(shed))
-        by_queue = bool(shed) and (waited == queued or bool(choose_shed(queued, rows, widths, self.cost, live_budgets)))
-        if by_queue:
-            self._late_ns = now_ns
-        return by_queue
+def _answer(request, response) -> Callable[[], None]:
+    """A call that sends ``response`` as ``request``'s one and final response."""
+    sender = request.get_response_sender()
+    return lambda: sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 class _BucketMetrics:
@@ -367,14 +291,7 @@ class _BucketMetrics:
             description="Tokens the encoder computed including padding (padded batch x padded length)",
             kind=counter,
         )
-        self._shed = pb_utils.MetricFamily(name=SHED_METRIC, description=SHED_METRIC_HELP, kind=counter)
-        self._share = pb_utils.MetricFamily(
-            name="triton_embed_admission_share",
-            description="Share of the latency budget the tokenizer's admission control plans with (lowered by late "
-            "requests and at the start of a busy period)",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        self._share_metric = self._share.Metric(labels={"model": model})
+        self._shed = pb_utils.MetricFamily(name=METRIC, description=METRIC_HELP, kind=counter)
         self._shed_metric = self._shed.Metric(labels={"model": model})
         self._real_metric = self._real.Metric(labels={"model": model})
         self._padded_metric = self._padded.Metric(labels={"model": model})
@@ -390,12 +307,8 @@ class _BucketMetrics:
         self._real_metric.increment(real_tokens)
         self._padded_metric.increment(padded_tokens)
 
-    def share(self, value: float) -> None:
-        """Set the admission share gauge (0..1)."""
-        self._share_metric.set(value)
-
     def shed(self, requests: int) -> None:
-        """Count requests shed by the queue budget."""
+        """Count requests refused by the overload control."""
         self._shed_metric.increment(requests)
 
     def close(self) -> None:
@@ -403,8 +316,8 @@ class _BucketMetrics:
 
         Releasing them deleted the reloaded instance's metrics (``common/metric_lifetime.py``).
         """
-        keep(*self._by_bucket.values(), self._real_metric, self._padded_metric, self._shed_metric, self._share_metric)
-        keep(self._executions, self._real, self._padded, self._shed, self._share)
+        keep(*self._by_bucket.values(), self._real_metric, self._padded_metric, self._shed_metric)
+        keep(self._executions, self._real, self._padded, self._shed)
         self._by_bucket.clear()
-        self._real_metric = self._padded_metric = self._shed_metric = self._share_metric = None
-        self._executions = self._real = self._padded = self._shed = self._share = None
+        self._real_metric = self._padded_metric = self._shed_metric = None
+        self._executions = self._real = self._padded = self._shed = None

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from triton_embed_server.drain import DrainError, drain
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
-from triton_embed_server.shm import backend_regions, remove_load_boards, remove_orphans
+from triton_embed_server.shm import backend_regions, remove_orphans
 from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, finish_stop, group_members
 
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -396,7 +396,6 @@ class EmbeddedServer:
             # killed while it waited only for a dead stub (finish_stop): a clean stop, nothing was left to serve
             code = 0 if stuck_on else process.returncode
             kill_leftovers(process.pid)
-            remove_load_boards(process.pid)  # a stub killed before its successor loaded leaves its load board
             # regions of stubs killed while it ran (Triton leaves them; see shm.py), now that nothing maps them
             remove_orphans(backend_regions() - (self._regions_before or set()))
         if self._log_handle is not None:

@@ -52,18 +52,3 @@ def remove_orphans(candidates: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
             continue
         removed.append(name)
     return removed
-
-
-def remove_load_boards(server_pid: int, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink the encoder's load-board files of the stopped server ``server_pid``; return their names.
-
-    ``python_backends/common/loadboard.py`` names them ``triton-embed-<host>-<server pid>-<model>-<instance>.load``;
-    an encoder removes its own when it unloads, but one whose stub was killed before its successor loaded leaves
-    it (a new user's trial: a stop 0.4 s after killing the encoder's stub). Call only once the server has exited.
-    """
-    removed = []
-    for path in shm_dir.glob(f"triton-embed-*-{server_pid}-*.load") if shm_dir.is_dir() else ():
-        if path.name.split("-")[3] == str(server_pid):  # the pid field, not a host name that holds the digits
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed

@@ -23,26 +23,25 @@ def parse(relative: str) -> model_config_pb2.ModelConfig:
     return text_format.Parse((REPO / relative).read_text(), model_config_pb2.ModelConfig())
 
 
-def test_libtorch_ensemble_is_the_default_one_without_the_arrival_hand_off():
+def test_libtorch_ensemble_is_the_default_one_without_the_queued_stamp():
     default, libtorch = parse("embed/config.pbtxt"), parse("embed/configs/libtorch.pbtxt")
     for step in default.ensemble_scheduling.step:
-        for name in ("arrival_ns", "tokenize_ns"):
-            step.input_map.pop(name, None)
-            step.output_map.pop(name, None)
+        step.input_map.pop("queued_ns", None)
+        step.output_map.pop("queued_ns", None)
     assert default == libtorch
     inputs = {i.name for i in parse("encoder/configs/libtorch.pbtxt").input}
     assert inputs == {"input_ids", "attention_mask"}
 
 
-def test_every_encoder_on_our_backend_takes_the_optional_arrival_stamp_and_a_latency_budget():
+def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_the_same_overload_knobs():
+    knobs = []
     for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
         config = parse(relative)
-        for name in ("arrival_ns", "tokenize_ns"):
-            stamp = next(i for i in config.input if i.name == name)
-            assert stamp.optional and list(stamp.dims) == [1], (relative, name)
-        assert float(config.parameters["LATENCY_BUDGET_MS"].string_value) > 0, relative
-    tokenizer_outputs = {o.name for o in parse("tokenizer/config.pbtxt").output}
-    assert {"arrival_ns", "tokenize_ns"} <= tokenizer_outputs
+        stamp = next(i for i in config.input if i.name == "queued_ns")
+        assert stamp.optional and list(stamp.dims) == [1], relative
+        knobs.append({k: config.parameters[k].string_value for k in ("LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS")})
+    assert knobs[0] == knobs[1] and float(knobs[0]["LATENCY_BUDGET_MS"]) > 0
+    assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(REPO)) for p in CONFIGS])
@@ -50,9 +49,3 @@ def test_no_model_has_a_queue_policy(path):
     """Triton 2.51 leaves requests waiting 500 ms in a queue that has one (see the configs; docs/benchmarks.md)."""
     config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
     assert not config.dynamic_batching.HasField("default_queue_policy")
-
-
-def test_the_tokenizer_admits_against_the_encoder_the_ensemble_feeds_it_to():
-    steps = parse("embed/config.pbtxt").ensemble_scheduling.step
-    assert [s.model_name for s in steps] == ["tokenizer", "encoder"]
-    assert parse("tokenizer/config.pbtxt").parameters["ADMISSION_MODEL"].string_value == steps[1].model_name

@@ -23,23 +23,26 @@ def test_percentiles_are_exact_and_the_verdict_names_p99():
     assert result.line().startswith("SLA FAIL: p99 990.0 ms > 500 ms; p95 950.0 ms > 500 ms")
 
 
-def test_requests_before_the_window_are_left_out():
+def test_latencies_before_the_window_are_left_out():
     slow_ramp = samples([5000.0] * 50, start=90.0)  # started before the window opened at 100 s
     steady = samples([20.0] * 200, start=100.0)
     result = evaluate(slow_ramp + steady, 100.0, 110.0, SlaSpec())
     assert result.passed, result.line()
-    assert result.requests == 200 and result.p99_ms == 20.0
+    assert result.requests == 250 and result.p99_ms == 20.0
     assert result.throughput_rps == pytest.approx(20.0)
-    assert "not judged" not in result.line()  # none of them failed
+    assert "warm-up" not in result.line()  # none of them failed
 
 
-def test_failures_in_the_warm_up_are_shown_but_not_judged():
+def test_a_failure_in_the_warm_up_is_a_failure_all_the_same():
     ramp = samples([5000.0] * 50, start=90.0, failed={1, 2, 3})
-    steady = samples([20.0] * 200, start=100.0)
+    steady = samples([20.0] * 1950, start=100.0, step=0.005)
     result = evaluate(ramp + steady, 100.0, 110.0, SlaSpec())
-    assert result.passed and result.failures == 0
+    assert not result.passed and result.failures == 3 and result.requests == 2000
     assert (result.warmup_requests, result.warmup_failures) == (50, 3)
-    assert result.line().endswith("; not judged: 3 of 50 requests failed in the warm-up before the window")
+    assert result.line().startswith("SLA FAIL: failure ratio 0.150% > 0.1%")
+    assert result.line().endswith("; 3 of the failures were in the warm-up, before the window")
+    one = evaluate(samples([5000.0] * 50, start=90.0, failed={1}) + steady, 100.0, 110.0, SlaSpec())
+    assert one.passed, one.line()  # 1 in 2,000: within the 0.1%
 
 
 def test_failure_ratio_and_minimum_requests():

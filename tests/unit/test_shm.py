@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mmap
 
-from triton_embed_server.shm import backend_regions, remove_load_boards, remove_orphans
+from triton_embed_server.shm import backend_regions, remove_orphans
 
 
 def test_only_unmapped_regions_are_removed(tmp_path):
@@ -16,16 +16,3 @@ def test_only_unmapped_regions_are_removed(tmp_path):
     with open(tmp_path / names[0], "r+b") as handle, mmap.mmap(handle.fileno(), 0):  # a live stub's region
         assert remove_orphans(backend_regions(tmp_path), tmp_path) == [names[1]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], "other_file"])
-
-
-def test_only_the_stopped_servers_load_boards_are_removed(tmp_path):
-    names = [
-        "triton-embed-vm-1378-encoder-encoder_0_0.load",  # the stopped server's, left by a killed stub
-        "triton-embed-vm-13781-encoder-encoder_0_0.load",  # another server's
-        "triton-embed-1378-4242-encoder-encoder_0_0.load",  # a host named like the pid: the pid field decides
-        "triton_python_backend_shm_region_1378",
-    ]
-    for name in names:
-        (tmp_path / name).write_bytes(b"x")
-    assert remove_load_boards(1378, tmp_path) == [names[0]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

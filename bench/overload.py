@@ -1,0 +1,249 @@
+"""Overload benchmark: the figures of docs/overload.md side by side, from one run (``make bench-overload``).
+
+    python -m bench.overload [--levels 1,2,4,8,16,32,48,64] [--loop-s 15] [--burst-s 20]
+
+Against the embedded server on a copy of the model repository (response cache off; every text is new anyway):
+
+1. perf_analyzer (Triton's own client, ``../shared/tools/perf-analyzer``), closed loop over gRPC, one new STS-B
+   sentence per request, at each concurrency of ``--levels``: with the shipped settings, and with the request
+   parameter ``latency_budget_ms`` 0 (never refused). perf_analyzer stops at the first error, so a level that
+   completes had no refusal. The knee is the highest level whose p99 stays within the SLA with refusals off;
+   capacity is the best throughput at or below it.
+2. Closed loops that retry at once (no backoff) at 64 and 256 concurrent gRPC clients: successes/s against the
+   best successes/s of the sweep, accepted p99.
+3. Open-loop Poisson arrivals at 1.5x and 3x capacity: successes/s against capacity, accepted p99 after the
+   first second, requests left without an answer.
+4. Zero refusals right after an idle spell: the knee's concurrency again after 5 s of silence.
+
+Runs on the same cores as the server, so the clients' own CPU counts against it (a shared 2-core machine here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PERF_ANALYZER = Path(os.environ.get("PERF_ANALYZER", ROOT.parent / "shared" / "tools" / "perf-analyzer"))
+SLA_MS = 200.0
+
+
+def unique_texts(count: int, tag: str) -> list[str]:
+    """``count`` texts that never repeat: STS-B sentences, each with ``tag`` and its number appended."""
+    from loadtest.corpus import load_corpus
+
+    corpus = load_corpus()
+    return [f"{corpus[i % len(corpus)]} {tag}{i}" for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Level:
+    """One perf_analyzer concurrency level: throughput (infer/s) and p99 (ms); ``error`` when it aborted."""
+
+    concurrency: int
+    throughput: float
+    p99_ms: float
+    error: str = ""
+
+
+def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_off: bool) -> Level:
+    """Run perf_analyzer at one concurrency (count windows of 500 requests, up to 6 trials)."""
+    csv = data.with_suffix(f".{concurrency}.{int(budget_off)}.csv")
+    command = [str(PERF_ANALYZER), "-m", "embed", "-i", "grpc", "-u", f"127.0.0.1:{grpc_port}",
+               "--input-data", str(data), "--concurrency-range", str(concurrency), "--percentile", "99",
+               "--measurement-mode", "count_windows", "--measurement-request-count", "500", "--max-trials", "6",
+               "-f", str(csv)]  # fmt: skip
+    if budget_off:
+        command += ["--request-parameter", "latency_budget_ms:0:int"]
+    run = subprocess.run(command, cwd=data.parent, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
+    if run.returncode != 0 or not csv.is_file():
+        lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line.lower()]
+        return Level(concurrency, float("nan"), float("nan"), (lines or [f"exit code {run.returncode}"])[-1][:300])
+    header, row = csv.read_text().splitlines()[:2]
+    fields = dict(zip(header.split(","), row.split(","), strict=False))
+    return Level(concurrency, float(fields["Inferences/Second"]), float(fields["p99 latency"]) / 1000)
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    """A no-backoff closed loop: successes/s, refusals/s, other errors, accepted p50/p99 (ms)."""
+
+    clients: int
+    ok_per_s: float
+    refused_per_s: float
+    other_errors: int
+    p50_ms: float
+    p99_ms: float
+
+
+async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, warmup_s: float = 2.0):
+    """``clients`` gRPC loops that send the next request the moment an answer (or a refusal) comes back."""
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    counter = itertools.count()
+    start = time.perf_counter()
+    begin, end = start + warmup_s, start + warmup_s + seconds
+    ok: list[float] = []
+    refused = [0]
+    other: list[str] = []
+
+    async def one() -> None:
+        while (t0 := time.perf_counter()) < end:
+            tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[texts[next(counter) % len(texts)].encode()]], dtype=np.object_))
+            try:
+                await client.infer("embed", [tensor], client_timeout=30)
+                if t0 >= begin:
+                    ok.append((time.perf_counter() - t0) * 1000)
+            except Exception as exc:  # noqa: BLE001 - counted
+                if t0 >= begin:
+                    if "UNAVAILABLE" in str(getattr(exc, "status", lambda: "")()):
+                        refused[0] += 1
+                    else:
+                        other.append(str(exc)[:200])
+
+    await asyncio.gather(*(one() for _ in range(clients)))
+    await client.close()
+    lat = np.array(ok or [np.nan])
+    return LoopResult(clients, len(ok) / seconds, refused[0] / seconds, len(other), *np.percentile(lat, [50, 99]))
+
+
+@dataclass(frozen=True)
+class BurstResult:
+    """Open-loop Poisson arrivals: offered and served rates, refusals, accepted p99 after the first second."""
+
+    rate: float
+    sent: int
+    ok_per_s: float
+    refused: int
+    unanswered: int
+    p99_after_1s_ms: float
+
+
+async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float, seed: int = 0) -> BurstResult:
+    """Send requests at Poisson arrivals of ``rate`` per second for ``seconds``; wait for every answer (30 s max)."""
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    rng = random.Random(seed)  # noqa: S311 - arrival times, not secrets
+    outcomes: list[tuple[float, str, float]] = []  # (sent s after start, outcome, ms)
+
+    async def one(n: int, sent_s: float) -> None:
+        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[texts[n % len(texts)].encode()]], dtype=np.object_))
+        t0 = time.perf_counter()
+        try:
+            await client.infer("embed", [tensor], client_timeout=30)
+            outcome = "ok"
+        except Exception as exc:  # noqa: BLE001 - counted
+            status = str(getattr(exc, "status", lambda: "")())
+            outcome = "refused" if "UNAVAILABLE" in status else f"error {status} {str(exc)[:100]}"
+        outcomes.append((sent_s, outcome, (time.perf_counter() - t0) * 1000))
+
+    start = time.perf_counter()
+    tasks, at, n = [], 0.0, 0
+    while at < seconds:
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(n, at)))
+        n += 1
+        at += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    await client.close()
+    ok_after = [ms for sent, outcome, ms in outcomes if outcome == "ok" and sent >= 1.0]
+    return BurstResult(
+        rate=rate,
+        sent=n,
+        ok_per_s=sum(outcome == "ok" for _, outcome, _ in outcomes) / seconds,
+        refused=sum(outcome == "refused" for _, outcome, _ in outcomes),
+        unanswered=sum(outcome not in ("ok", "refused") for _, outcome, _ in outcomes),
+        p99_after_1s_ms=float(np.percentile(ok_after, 99)) if ok_after else float("nan"),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
+    """Run every part against one server; print the figures and the ratios the issue's points ask for."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,2,4,8,16,24,32,48,64")
+    parser.add_argument("--loops", default="64,256", help="no-backoff client counts")
+    parser.add_argument("--loop-s", type=float, default=15.0)
+    parser.add_argument("--rates", default="1.5,3", help="Poisson rates, multiples of capacity")
+    parser.add_argument("--burst-s", type=float, default=20.0)
+    parser.add_argument("--skip-sweep", action="store_true", help="no perf_analyzer; needs --capacity")
+    parser.add_argument("--capacity", type=float, default=0.0, help="req/s, when the sweep is skipped")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from triton_embed_server.embedded import EmbeddedServer
+
+    from bench.run import variant_repository
+
+    with tempfile.TemporaryDirectory(dir=ROOT / ".build" if (ROOT / ".build").is_dir() else None) as tmp:
+        repo = variant_repository(Path(tmp) / "repo", None)
+        data = Path(tmp) / "texts.json"
+        texts = unique_texts(60_000, "pa")
+        data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]}} for t in texts]}))
+        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                            log_file=Path(tmp) / "tritonserver.log") as server:  # fmt: skip
+            port = int(server.grpc_url.rsplit(":", 1)[1])
+            levels = [int(x) for x in args.levels.split(",")]
+            on, off = [], []
+            if not args.skip_sweep:
+                print("perf_analyzer closed loop, gRPC, one new sentence per request:")
+                print("| concurrency | budget off: infer/s | p99 ms | shipped: infer/s | p99 ms | refusals |")
+                print("|---|---|---|---|---|---|")
+                for c in levels:
+                    off.append(perf_analyzer_level(port, data, c, budget_off=True))
+                    on.append(perf_analyzer_level(port, data, c, budget_off=False))
+                    a, b = off[-1], on[-1]
+                    print(f"| {c} | {a.throughput:.0f} | {a.p99_ms:.0f} | {b.throughput:.0f} | {b.p99_ms:.0f} | "
+                          f"{'none' if not b.error else 'aborted: ' + b.error} |", flush=True)  # fmt: skip
+            within = [a for a in off if a.p99_ms <= SLA_MS and not a.error]
+            knee = max((a.concurrency for a in within), default=0)
+            capacity = args.capacity or max((a.throughput for a in within), default=0.0)
+            best_shipped = max((b.throughput for b in on if not b.error), default=capacity)
+            refused_below_knee = [b.concurrency for b in on if b.concurrency <= knee and b.error]
+            print(f"\nknee (p99 <= {SLA_MS:g} ms, refusals off): concurrency {knee}; capacity {capacity:.0f} req/s; "
+                  f"levels up to the knee refused: {refused_below_knee or 'none'}")  # fmt: skip
+
+            if knee and not args.skip_sweep:
+                time.sleep(5)  # an idle spell, then the knee again
+                again = perf_analyzer_level(port, data, knee, budget_off=False)
+                print(f"after 5 s idle, concurrency {knee}: {again.throughput:.0f} infer/s, p99 {again.p99_ms:.0f} ms, "
+                      f"refusals: {'none' if not again.error else 'aborted: ' + again.error}")  # fmt: skip
+
+            loop_texts = unique_texts(400_000, "loop")
+            print("\nno-backoff closed loops (gRPC asyncio, retry at once):")
+            print("| clients | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors |")
+            print("|---|---|---|---|---|---|---|")
+            for clients in (int(x) for x in args.loops.split(",")):
+                r = asyncio.run(no_backoff_loop(server.grpc_url, loop_texts, clients, args.loop_s))
+                print(f"| {r.clients} | {r.ok_per_s:.0f} | {r.ok_per_s / best_shipped:.2f} | {r.refused_per_s:.0f} | "
+                      f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} |", flush=True)  # fmt: skip
+
+            print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity {capacity:.0f} req/s):")
+            print("| offered | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s |")
+            print("|---|---|---|---|---|---|---|")
+            for factor in (float(x) for x in args.rates.split(",")):
+                time.sleep(3)
+                r = asyncio.run(poisson_burst(server.grpc_url, loop_texts[::-1], factor * capacity, args.burst_s))
+                print(f"| {factor:g}x = {r.rate:.0f}/s | {r.sent} | {r.ok_per_s:.0f} | {r.ok_per_s / capacity:.2f} | "
+                      f"{r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms |", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
