@@ -25,7 +25,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test lint bench clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install model reference-model serve test lint bench bench-overload clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -85,6 +85,11 @@ clean:
 # Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets); ~5 min.
 bench: reference-model
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# Overload figures side by side (docs/overload.md): perf_analyzer sweep with the shipped budget and with budget 0,
+# no-backoff loops at 64 and 256 clients, Poisson bursts at 1.5x and 3x capacity; ~10 min.
+bench-overload: reference-model
+	$(PY) -m bench.overload $(BENCH_ARGS)
 
 # What bench/gpu_check.py needs on the GPU machine, under .build/gpu-carry (pytriton and nvidia-ml-py wheels for
 # Python 3.12, MiniLM's config and tokenizer files); prints the device tool's carry list and command line.
