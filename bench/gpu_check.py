@@ -245,11 +245,11 @@ def environment(report: Report, dry_run: bool) -> dict:
     problems = version_problems(found, need_cuda=not dry_run)
     if problems:
         raise RuntimeError("this environment cannot run the check:\n  " + "\n  ".join(problems))
-    package = gpu_steps.register_bare_pytriton()
-    missing = gpu_steps.stub_libraries_missing()
     from triton_embed_server.layout import find_layout
 
-    result = {"pytriton": str(package), "stub": str(find_layout().stub()), "stub_libraries_missing": missing}
+    layout = find_layout()
+    missing = gpu_steps.stub_libraries_missing()
+    result = {"pytriton": str(layout.root.parent), "stub": str(layout.stub()), "stub_libraries_missing": missing}
     if missing:
         result["warning"] = (
             f"the Python backend stub cannot find {', '.join(missing)}: tritonserver will not load the models "

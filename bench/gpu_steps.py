@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,32 +40,6 @@ MINILM_FILES = (
 these into the carry folder; the check builds random weights for the architecture."""
 MAX_DIFF = 1e-3
 """Largest allowed |a - b| per embedding component between two runs of the same file (graph, eager, CPU, served)."""
-
-
-def register_bare_pytriton() -> Path:
-    """Make ``import pytriton`` find the installed package without running its ``__init__``.
-
-    ``pytriton/__init__.py`` imports its client, which needs tritonclient and gevent; the embedded server only needs
-    the package's folder (``triton_embed_server.layout.find_layout``), and the GPU machine has neither.
-
-    Returns:
-        The package folder (``.../site-packages/pytriton``).
-
-    Raises:
-        ModuleNotFoundError: nvidia-pytriton is not installed.
-    """
-    import importlib.util
-
-    if "pytriton" in sys.modules:
-        return Path(sys.modules["pytriton"].__path__[0])
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("nvidia-pytriton is not installed (pip install --no-deps its wheel)")
-    package = types.ModuleType("pytriton")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__file__ = spec.origin
-    sys.modules["pytriton"] = package
-    return Path(package.__path__[0])
 
 
 def stub_libraries_missing() -> list[str]:

@@ -256,20 +256,16 @@ def chosen_model(requested: str | None, repository: Path) -> tuple[Path, str]:
     (its manifest's source, when that folder is still there), else the packaged one. So ``make serve`` after
     ``make model MODEL=...`` serves that model; it used to export the default again, silently.
     """
+    if requested and requested != "default":
+        return Path(requested).resolve(), ""  # the packaged model need not be installed
     manifest = repository / "encoder" / "1" / MANIFEST_NAME
     current = Path(json.loads(manifest.read_text())["source"]) if manifest.is_file() else None
     default = default_model_path()
-    if requested == "default":
-        path = default
-    elif requested:
-        path = Path(requested).resolve()
-    elif current is not None and current != default and (current / "modules.json").is_file():
+    if requested is None and current is not None and current != default and (current / "modules.json").is_file():
         return current, "kept the model exported last (`make model MODEL=default` goes back to all-MiniLM-L6-v2)"
-    else:
-        path = default
-    if current is not None and current != path and path == default:
-        return path, f"replaced the exported {current} with the packaged all-MiniLM-L6-v2"
-    return path, ""
+    if current is not None and current != default:
+        return default, f"replaced the exported {current} with the packaged all-MiniLM-L6-v2"
+    return default, ""
 
 
 def check_model_folder(path: Path) -> str | None:

@@ -12,6 +12,7 @@ wants them all under one ``--backend-directory``:
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import os
 import shutil
 import sys
@@ -65,11 +66,10 @@ def find_layout() -> TritonLayout:
     Raises:
         LayoutError: pytriton is not installed or lacks the binary.
     """
-    try:
-        import pytriton
-    except ImportError as exc:
-        raise LayoutError("nvidia-pytriton is not installed; run `make serve` or `make install`") from exc
-    package = Path(pytriton.__file__).resolve().parent
+    spec = importlib.util.find_spec("pytriton")  # its files only: importing it would load its client
+    if spec is None or not spec.submodule_search_locations:
+        raise LayoutError("nvidia-pytriton is not installed; run `make serve` or `make install`")
+    package = Path(next(iter(spec.submodule_search_locations))).resolve()
     layout = TritonLayout(root=package / "tritonserver", libs=package.parent / "nvidia_pytriton.libs")
     if not layout.binary.is_file():
         raise LayoutError(f"tritonserver binary not found at {layout.binary}")
