@@ -43,22 +43,16 @@ def add_options(parser) -> None:
     )  # fmt: skip
     group.add_argument("--deck-start", type=int, default=0, help="texts of --deck-seed's order already sent")
     group.add_argument("--request-timeout-s", type=float, default=10.0, help="per-request timeout, seconds")
-    group.add_argument(
-        "--send-time",
-        action="store_true",
-        help="send each request's send time (sent_ns, EmbeddingClient(send_time=True)): the server's budget counts "
-        "the wait before its tokenizer",
-    )
     group.add_argument("--sla-ms", type=float, default=200.0, help="p99 latency limit, ms (the SLA)")
     group.add_argument("--sla-p95-ms", type=float, default=None, help="p95 latency limit, ms (default: --sla-ms)")
     group.add_argument("--max-fail-ratio", type=float, default=0.001, help="failed/all requests limit (0.001=0.1%%)")
     group.add_argument("--min-requests", type=int, default=100, help="fewer successes in the window is a FAIL")
     group.add_argument("--warmup-s", type=float, default=5.0, help="seconds after the last user starts not measured")
-    group.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (queue for GPU flags)")
+    group.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (refusals, GPU flags)")
     group.add_argument("--gpu-interval-s", type=float, default=0.5, help="NVML sampling interval, seconds")
     group.add_argument(
-        "--admission-interval-s", type=float, default=1.0,
-        help="seconds between reads of the admission share and refusals on Triton's /metrics (the report's timeline)",
+        "--refusals-interval-s", type=float, default=1.0,
+        help="seconds between reads of the refusal counter on Triton's /metrics (the report's timeline)",
     )  # fmt: skip
     group.add_argument("--report-dir", default=None, help="run folder (default loadtest/runs/<time>/)")
 

@@ -46,8 +46,8 @@ def errors(samples: list[Sample], top: int = 10) -> list[dict]:
     """The ``top`` most frequent kinds of failure over the run.
 
     Failures are grouped by request type, name and message with its numbers taken out: the server's overload
-    messages carry the predicted ms, the share and the port, so grouping whole messages left a count of 1-4 beside
-    each of ten near-identical lines and hid which cause dominated (a new user's trial).
+    messages carry the ms waited and the ms needed, so grouping whole messages would leave a count of 1-4 beside
+    each of many near-identical lines and hide which cause dominated.
 
     Returns:
         ``type``, ``name``, ``error`` (class: message, the first of its kind), ``count``, most frequent first.
@@ -115,12 +115,13 @@ def build(
     steps_window: dict[str, StepStats],
     stages: list[Stage],
     gpu: list[dict] | None,
-    admission: dict | None = None,
+    refusals: dict | None = None,
 ) -> dict:
     """Everything the run measured, as one JSON-ready dict (see ``loadtest/README.md`` for the fields).
 
-    ``admission``: ``{"timeline": loadtest.admission.per_second(...), "window": loadtest.admission.summary(...)}``,
-    the server's admission share and refusals over the run (None, or empty, when the server publishes none).
+    ``refusals``: ``{"timeline": loadtest.refusals.per_second(...), "window": ..., "run": ...}`` (the last two
+    ``loadtest.refusals.summary(...)`` of the window and of the whole run), the requests the server refused as
+    overloaded (None, or an empty timeline, when it publishes no counter).
 
     ``count_check`` compares Locust's requests over the whole run with the ensemble's successes plus failures in
     Triton's statistics over the same run: they must agree (within 1%) for the stage breakdown to describe the
@@ -152,7 +153,7 @@ def build(
         "stages": [s.as_dict() for s in stages],
         "culprit": blamed.as_dict() if blamed else None,
         "gpu": gpu,
-        "admission": admission if admission and admission.get("timeline") else None,
+        "refusals": refusals if refusals and refusals.get("timeline") else None,
         "timeline": rows,
         "worst_stretch": worst_stretch(rows, window_t, gate.spec.p99_ms),
     }
@@ -166,8 +167,7 @@ def _markdown(report: dict) -> str:
         f"**{gate['line']}**",
         "",
         f"Target {run['target']}; users {run['users']} ({', '.join(run['user_classes'])}), spawn rate "
-        f"{run['spawn_rate']}/s, warm-up {run['warmup_s']:g} s after the last user started; corpus {run['corpus']}"
-        f"{'; requests carry their send time (sent_ns)' if run.get('send_time') else ''}.",
+        f"{run['spawn_rate']}/s, warm-up {run['warmup_s']:g} s after the last user started; corpus {run['corpus']}.",
         "",
         "## Requests in the window",
         "",
@@ -234,7 +234,7 @@ def _markdown(report: dict) -> str:
             f"Request count check (whole run): Locust {check['locust_requests']}, Triton {check['triton_requests']} "
             f"(difference {100 * check['relative_difference']:.2f}%).",
         ]
-    lines += _admission_lines(report.get("admission"))
+    lines += _refusal_lines(report.get("refusals"))
     lines += ["", "## GPU", ""]
     if report["gpu"]:
         lines += ["| GPU | name | samples | util mean % | util max % | memory max MiB | power mean W |"]
@@ -279,27 +279,20 @@ def _stage_total_lines(stages: list[dict]) -> list[str]:
     return lines
 
 
-def _admission_lines(admission: dict | None) -> list[str]:
-    """The report's "Admission control" section: what the server refused and how far it lowered its share."""
-    lines = ["", "## Admission control (window)", ""]
-    w = admission["window"] if admission else None
+def _refusal_lines(refusals: dict | None) -> list[str]:
+    """The report's "Refusals" section: the requests the server refused as overloaded, in the window and in all."""
+    lines = ["", "## Refusals (window)", ""]
+    w = refusals["window"] if refusals else None
     if w is None:
-        return [*lines, "No admission figures: the server publishes none (the libtorch encoder) or `/metrics` was "
-                "not readable (`--metrics-port`)."]  # fmt: skip
-    lines.append(
-        f"The tokenizer refused {w['refused']} requests and the encoder shed {w['shed']} in the window's "
-        f"{w['window_s']:.0f} s."
-    )
-    if w["min_share"] is not None and w["min_share"] >= 1.0:
-        lines.append("Admission planned with the whole latency budget at every read of /metrics.")
-    elif w["min_share"] is not None:
-        lines.append(
-            f"Admission planned with {100 * w['min_share']:.0f}% of the latency budget at the lowest, and with less "
-            f"than all of it for {w['below_full_s']:.0f} s: the encoder lowers the share when its requests run late "
-            "(and at the start of a busy period), which turns more requests away while it is low. The timeline is "
-            "the third panel of `latency.png`."
-        )
-    return lines
+        return [*lines, "No refusal figures: the server publishes no `triton_embed_shed_requests_total` (the "
+                "libtorch encoder) or `/metrics` was not readable (`--metrics-port`)."]  # fmt: skip
+    run = refusals["run"]
+    return [
+        *lines,
+        f"The encoder refused {w['refused']} requests as overloaded in the window's {w['window_s']:.0f} s, "
+        f"{run['refused']} over the whole run (`triton_embed_shed_requests_total`; per second: the third panel of "
+        "`latency.png`).",
+    ]
 
 
 def _plots(report: dict, folder: Path) -> None:
@@ -310,8 +303,8 @@ def _plots(report: dict, folder: Path) -> None:
 
     rows = report["timeline"]
     t = [r["t_s"] for r in rows]
-    admission = (report.get("admission") or {}).get("timeline") or []
-    panels = 3 if admission else 2
+    refused = (report.get("refusals") or {}).get("timeline") or []
+    panels = 3 if refused else 2
     fig, axes = plt.subplots(panels, 1, figsize=(9, 3 * panels), sharex=True)
     lat, rps = axes[0], axes[1]
     for key in ("p50_ms", "p95_ms", "p99_ms"):  # a second without a success has no latency: a gap, not a 0
@@ -326,8 +319,8 @@ def _plots(report: dict, folder: Path) -> None:
     rps.bar(t, [r["failures"] for r in rows], color="red", label="failures")
     rps.set_ylabel("requests/s")
     rps.legend(loc="upper right")
-    if admission:
-        _admission_panel(axes[2], admission)
+    if refused:
+        _refusal_panel(axes[2], refused)
     axes[-1].set_xlabel("seconds since start")
     fig.suptitle(textwrap.fill(report["gate"]["line"], width=130), fontsize=8)  # the whole verdict, wrapped
     fig.tight_layout()
@@ -352,18 +345,8 @@ def write(report: dict, folder: Path) -> None:
     _plots(report, folder)
 
 
-def _admission_panel(ax, rows: list[dict]) -> None:
-    """Refusals and sheds per second (bars) and the admission share (line, right axis, %) over the run."""
-    t = [r["t_s"] for r in rows]
-    ax.bar(t, [r["refused_per_s"] for r in rows], color="orange", label="refused by the tokenizer/s")
-    ax.bar(t, [r["shed_per_s"] for r in rows], bottom=[r["refused_per_s"] for r in rows], color="red",
-           label="shed by the encoder/s")  # fmt: skip
+def _refusal_panel(ax, rows: list[dict]) -> None:
+    """Requests the encoder refused as overloaded, per second over the run (bars)."""
+    ax.bar([r["t_s"] for r in rows], [r["refused_per_s"] for r in rows], color="red", label="refused by the encoder/s")
     ax.set_ylabel("refusals/s")
     ax.legend(loc="upper left", fontsize=8)
-    shares = [(r["t_s"], 100 * r["share"]) for r in rows if r["share"] is not None]
-    if shares:
-        share = ax.twinx()
-        share.plot(*zip(*shares, strict=True), color="blue", label="admission share %")
-        share.set_ylim(0, 105)
-        share.set_ylabel("share of budget %")
-        share.legend(loc="upper right", fontsize=8)

@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.http as httpclient
 from triton_embed.server_stats import STEPS, parse
 
-from loadtest import admission, report
+from loadtest import refusals, report
 from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, stretch_line, window
 from loadtest.stages import breakdown
 
@@ -78,7 +78,7 @@ class LoadRun:
         self.window_start_s: float | None = None
         self.snapshots: dict[str, dict[str, dict]] = {}
         self.monitor = None
-        self.admission: admission.AdmissionSampler | None = None
+        self.refusals: refusals.RefusalSampler | None = None
 
     def spec(self) -> SlaSpec:
         """The limits from the command line (``--sla-ms``, ``--sla-p95-ms``, ``--max-fail-ratio``, ...)."""
@@ -91,13 +91,13 @@ class LoadRun:
         )
 
     def on_test_start(self, **_) -> None:
-        """A new run: forget the last one's samples, snapshot Triton's statistics, start GPU and admission sampling."""
+        """A new run: forget the last one's samples, snapshot Triton's statistics, start GPU and refusal sampling."""
         self._reset()
         self.recorder.samples.clear()
         self.snapshots["start"] = self.stats.snapshot()
         metrics_url = f"http://{self.opts.triton_host}:{self.opts.metrics_port}/metrics"
         self.monitor = _gpu_monitor(self.opts.gpu_interval_s, metrics_url)
-        self.admission = admission.AdmissionSampler(metrics_url, self.opts.admission_interval_s).start()
+        self.refusals = refusals.RefusalSampler(metrics_url, self.opts.refusals_interval_s).start()
 
     def on_spawning_complete(self, user_count: int, **_) -> None:
         """All users run: the measured window opens ``--warmup-s`` seconds from now."""
@@ -125,7 +125,7 @@ class LoadRun:
             self.monitor.stop()
             gpu_samples = self.monitor.samples()
             episodes = find_episodes(gpu_samples, self.monitor.queue_samples())
-        admitted = self.admission.stop() if self.admission is not None else []
+        refused = self.refusals.stop() if self.refusals is not None else []
         samples = self.recorder.samples
         start_s = self.window_start_s if self.window_start_s is not None else end_s
         try:
@@ -149,7 +149,6 @@ class LoadRun:
             "corpus": (
                 f"{o.corpus or 'STS-B train+dev'} ({len(self.env.corpus)} texts, {len(self.env.deck.texts)} distinct)"
             ),
-            "send_time": o.send_time,
             "deck": {"seed": self.env.deck.seed, "dealt": self.env.deck.dealt, "wraps": self.env.deck.wraps},
         }
         data = report.build(
@@ -161,9 +160,10 @@ class LoadRun:
             steps_window=steps_window,
             stages=stages,
             gpu=report.gpu_summary(gpu_samples, episodes) if gpu_samples else None,
-            admission={
-                "timeline": admission.per_second(admitted, self.started_s),
-                "window": admission.summary(admitted, (start_s, end_s)),
+            refusals={
+                "timeline": refusals.per_second(refused, self.started_s),
+                "window": refusals.summary(refused, (start_s, end_s)),
+                "run": refusals.summary(refused, (self.started_s, float("inf"))),
             },
         )
         self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
@@ -189,8 +189,6 @@ class LoadRun:
                 f"Warning: {100 * hits:.0f}% of the requests were response-cache hits (repeated texts), which flatters "
                 f"the figures; {why} to measure the model"
             )
-        if o.send_time:
-            self.summary.append("Requests carried their send time (--send-time: sent_ns)")
         self.summary.append(f"Report: {self.folder / 'report.md'}")
         print("\n".join(self.summary), flush=True)
 

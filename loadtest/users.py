@@ -87,7 +87,6 @@ class TritonUser(User):
                 model=opts.model,
                 timeout_s=opts.request_timeout_s,
                 retries=0,
-                send_time=opts.send_time,
             ),
             environment.events.request,
         )

@@ -35,7 +35,6 @@ class ClientBase:
         headers: dict[str, str] | None = None,
         latency_budget_ms: float | None = None,
         truncate: bool | None = None,
-        send_time: bool = False,
     ) -> None:
         """Connect lazily: nothing is sent until the first call.
 
@@ -56,25 +55,19 @@ class ClientBase:
             max_concurrency: chunks of one long list sent at the same time.
             headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key); copied, so
                 the caller's dict is never changed and may be shared between clients.
-            latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long the server may take
-                before it sheds this request as overloaded (ms; 0 = never shed, for bulk jobs that prefer slow to
-                rejected; fractions allowed). None = the server's ``LATENCY_BUDGET_MS`` (180 ms as shipped).
+            latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long after entering the
+                encoder's queue this request may end before the server refuses it as overloaded (ms; 0 = never
+                refused, for bulk jobs that prefer slow to rejected; fractions allowed). None = the server's
+                ``LATENCY_BUDGET_MS`` (180 ms as shipped).
             truncate: sent as the request parameter ``truncate``: False makes a text over ``max_seq_length`` tokens
                 (256 for all-MiniLM-L6-v2) an ``InvalidInputError`` instead of being cut as sentence-transformers
                 cuts it; None = the server's ``TRUNCATION`` (truncate as shipped). The response cache keys on the
                 texts only: a text already served truncated is answered from the cache whatever this says.
-            send_time: send each attempt's send time (request parameter ``sent_ns``, ``time.time_ns()``), so that
-                the server's latency budget also counts the time the request took to reach its tokenizer, beyond
-                the 10 ms it leaves for that: under a burst more requests are refused and fewer answered late.
-                Off by default: in closed loops at moderate load it refused somewhat more (docs/benchmarks.md).
-                Only where the server's wall clock agrees with this host's to a few ms (the same host, a
-                container on it, or synchronised clocks): a server clock ahead of ours makes every request look
-                older by as much (only this client's requests pay for it); one behind counts as no wait.
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
                 ``protocol`` (or ``$TRITON_EMBED_PROTOCOL``, when both come from the environment), ``truncate``
-                ``send_time`` or ``binary`` not a bool, ``headers`` not a dict of str, or a setting out of range
+                or ``binary`` not a bool, ``headers`` not a dict of str, or a setting out of range
                 (``timeout_s``, ``retries``, ``backoff_s``, ``max_concurrency``, ``latency_budget_ms``).
         """
         self.settings = Settings.make(
@@ -91,7 +84,6 @@ class ClientBase:
             headers=headers,
             latency_budget_ms=latency_budget_ms,
             truncate=truncate,
-            send_time=send_time,
         )
         self._module = self._protocol_module(self.settings.protocol)
         self._builder = RequestBuilder(self.settings, self._module)

@@ -7,7 +7,6 @@ import os
 import random
 import sys
 import threading
-import time
 import warnings
 from dataclasses import dataclass, replace
 
@@ -63,7 +62,7 @@ def url_protocol(url: str) -> str | None:
 
 
 MAX_BUDGET_MS = 3_600_000.0
-"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/common/shedding.py)."""
+"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/torchscript/overload.py)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,6 @@ class Settings:
     headers: dict | None
     latency_budget_ms: float | None = None
     truncate: bool | None = None
-    send_time: bool = False
 
     @classmethod
     def make(cls, *, url: str | None, protocol: str | None, **kwargs) -> Settings:
@@ -123,8 +121,6 @@ class Settings:
             raise ValueError(f"headers must be a dict of str to str; got {headers!r}")
         if settings.truncate is not None and not isinstance(settings.truncate, bool):
             raise ValueError(f"truncate must be True, False or None; got {settings.truncate!r}")
-        if not isinstance(settings.send_time, bool):
-            raise ValueError(f"send_time must be True or False; got {settings.send_time!r}")
         if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1 or settings.backoff_s < 0:
             raise ValueError(
                 f"need timeout_s > 0, retries >= 0, max_concurrency >= 1, backoff_s >= 0; got {settings.timeout_s}, "
@@ -207,15 +203,12 @@ class RequestBuilder:
     def infer_kwargs(self, bulk: bool = False) -> dict:
         """Keyword arguments for tritonclient's ``infer``.
 
-        The request parameter ``latency_budget_ms`` (the server's
-        budget for this request before it refuses or sheds it, ms): the client's setting when it has one; else
-        ``0`` (never refused or shed) for a ``bulk`` request, one chunk of a call split into several; else none
-        (the server's default, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
+        The request parameter ``latency_budget_ms`` (how long after entering the encoder's queue this request
+        may end before the encoder refuses it, ms): the client's setting when it has one; else ``0`` (never
+        refused) for a ``bulk`` request, one chunk of a call split into several; else none (the server's
+        ``LATENCY_BUDGET_MS``, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
         one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
-        budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores, and
-        a new user's ``embed()`` of 200 texts failed in 3 of 6 calls, retries included, while nothing else ran
-        (2026-11-30). With ``send_time``, the request parameter ``sent_ns`` (``time.time_ns()`` now, so call this
-        as the request goes out): the server's budget then starts at the send, not at its tokenizer.
+        budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores.
         """
         kwargs: dict = {}  # the gRPC deadline is every call's: the clients' ``_call`` adds it
         budget = self.settings.latency_budget_ms
@@ -224,8 +217,6 @@ class RequestBuilder:
         parameters: dict = {} if budget is None else {"latency_budget_ms": budget}
         if self.settings.truncate is not None:
             parameters["truncate"] = self.settings.truncate
-        if self.settings.send_time:
-            parameters["sent_ns"] = time.time_ns()
         if parameters:
             kwargs["parameters"] = parameters
         return kwargs

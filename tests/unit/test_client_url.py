@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from triton_embed import EmbeddingClient
@@ -101,13 +100,15 @@ def test_the_callers_headers_dict_is_never_changed():
     assert headers == {"triton-embed-admin-key": "k"}
 
 
-def test_the_send_time_goes_only_when_asked_for():
-    def sent(**kwargs) -> dict:
-        return EmbeddingClient(**kwargs)._builder.infer_kwargs().get("parameters", {})
-
-    assert "sent_ns" not in sent(url="127.0.0.1:8001")
-    before = time.time_ns()
-    stamp = sent(url="grpc://localhost:8001", send_time=True)["sent_ns"]
-    assert before <= stamp <= time.time_ns()
-    with pytest.raises(ValueError, match="send_time must be True or False; got None"):
-        EmbeddingClient(url=":8001", send_time=None)
+@pytest.mark.parametrize(
+    ("settings", "bulk", "expected"),
+    [
+        ({}, False, {}),
+        ({}, True, {"latency_budget_ms": 0}),  # a chunk of a split call: never refused
+        ({"latency_budget_ms": 50}, True, {"latency_budget_ms": 50}),
+        ({"latency_budget_ms": 0, "truncate": False}, False, {"latency_budget_ms": 0, "truncate": False}),
+    ],
+)
+def test_the_request_parameters_are_the_budget_and_truncate_only(settings, bulk, expected):
+    kwargs = EmbeddingClient(url=":8001", **settings)._builder.infer_kwargs(bulk)
+    assert kwargs.get("parameters", {}) == expected

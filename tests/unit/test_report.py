@@ -25,7 +25,7 @@ def gpu(t, util):
     return GpuSample(t, 0, "NVIDIA H200", "GPU-0", util, 10.0, 2**30, 2**37, 1980.0, 300.0, 40.0, ((1, 2**29),))
 
 
-def make(steps, gpu_rows=None, admission=None):
+def make(steps, gpu_rows=None, refusals=None):
     samples = [Sample(101.0 + i * 0.01, 20.0, "embed x1", "grpc", False) for i in range(200)]
     gate = evaluate(samples, 101.0, 103.0, SlaSpec())
     stages = breakdown(steps, 20.0) if steps else []
@@ -38,7 +38,7 @@ def make(steps, gpu_rows=None, admission=None):
         steps_window=steps,
         stages=stages,
         gpu=gpu_rows,
-        admission=admission,
+        refusals=refusals,
     )
 
 
@@ -69,16 +69,17 @@ def test_failures_are_listed_by_message(tmp_path):
 
 
 def test_failures_that_differ_only_in_their_numbers_are_one_kind():
-    def refused(ms: int, share: int) -> Sample:
-        message = f"ServerUnavailableError: it would end in ~{ms} ms, past {share * 1.8:.0f} ms, the {share}% share"
-        return Sample(101.0, 5.0, "embed x1", "grpc", True, message)
+    def refused(waited: int, needs: int) -> Sample:
+        message = f"ServerUnavailableError: overloaded: the request waited {waited} ms for the encoder and its batch "
+        return Sample(101.0, 5.0, "embed x1", "grpc", True, message + f"needs ~{needs} ms, over the 180 ms budget")
 
-    late = Sample(101.0, 5.0, "embed x1", "grpc", True, "ServerUnavailableError: waited 170 ms before the encoder")
-    kinds = report.errors([refused(63, 25), refused(104, 32), refused(77, 42), late, refused(55, 28)])
+    timeout = Sample(101.0, 5.0, "embed x1", "grpc", True, "EmbeddingTimeoutError: no answer within 10 s")
+    kinds = report.errors([refused(163, 25), refused(104, 92), refused(177, 42), timeout, refused(155, 28)])
     assert [(k["count"], k["error"]) for k in kinds] == [
-        (4, "ServerUnavailableError: it would end in ~63 ms, past 45 ms, the 25% share"),
-        (1, "ServerUnavailableError: waited 170 ms before the encoder"),
-    ]
+        (4, "ServerUnavailableError: overloaded: the request waited 163 ms for the encoder and its batch needs ~25 ms, "
+         "over the 180 ms budget"),
+        (1, "EmbeddingTimeoutError: no answer within 10 s"),
+    ]  # fmt: skip
 
 
 def test_cache_hits_are_called_out():
@@ -105,49 +106,50 @@ def test_the_count_check_allows_for_triton_counting_each_failed_ensemble_request
     assert data["count_check"]["relative_difference"] == 0.0
 
 
-SCRAPE = """# HELP triton_embed_admission_share Share of the latency budget
-# TYPE triton_embed_admission_share gauge
-triton_embed_admission_share{{model="encoder"}} {share}
-# HELP triton_embed_shed_requests_total Requests refused
+SCRAPE = """# HELP triton_embed_shed_requests_total Requests refused
 # TYPE triton_embed_shed_requests_total counter
-triton_embed_shed_requests_total{{model="tokenizer"}} {refused}
-triton_embed_shed_requests_total{{model="encoder"}} {shed}
+triton_embed_shed_requests_total{{model="encoder"}} {refused}
 # TYPE nv_inference_count counter
 nv_inference_count{{model="embed",version="1"}} 5
 """
 
 
-def test_admission_samples_become_per_second_rows_and_a_window_summary(tmp_path):
-    from loadtest import admission
+def test_refusal_reads_become_per_second_rows_and_a_window_summary(tmp_path):
+    from loadtest import refusals
 
-    reads = [(100.0, 1.0, 0, 0), (101.0, 1.0, 0, 0), (102.0, 0.25, 30, 2), (103.0, 0.4, 50, 2), (104.0, 1.0, 50, 3)]
-    samples = [admission.parse(SCRAPE.format(share=sh, refused=r, shed=d), t) for t, sh, r, d in reads]
-    assert samples[2] == admission.AdmissionSample(102.0, 0.25, 30, 2)
-    assert admission.parse('nv_inference_count{model="embed"} 5\n', 100.0) is None  # no admission control published
-    rows = admission.per_second(samples, origin_s=100.0)
+    reads = [(100.0, 0), (101.0, 0), (102.0, 30), (103.0, 50), (104.0, 53)]
+    samples = [refusals.parse(SCRAPE.format(refused=r), t) for t, r in reads]
+    assert samples[2] == refusals.RefusalSample(102.0, 30)
+    assert refusals.parse('nv_inference_count{model="embed"} 5\n', 100.0) is None  # no refusal counter published
+    rows = refusals.per_second(samples, origin_s=100.0)
     assert [r["t_s"] for r in rows] == [0.0, 1.0, 2.0, 3.0]  # the read at 102 s closes second 1 (101-102 s)
-    assert [r["refused_per_s"] for r in rows] == [0.0, 30.0, 20.0, 0.0] and rows[1]["share"] == 0.25
-    window = admission.summary(samples, (101.0, 104.0))
-    assert window == {"refused": 50, "shed": 3, "min_share": 0.25, "below_full_s": 2.0, "window_s": 3.0}
+    assert [r["refused_per_s"] for r in rows] == [0.0, 30.0, 20.0, 3.0]
+    window = refusals.summary(samples, (101.0, 104.0))
+    assert window == {"refused": 53, "window_s": 3.0}
+    assert refusals.summary(samples, (103.5, 104.0)) is None  # one read in the window: no figure
 
-    data = make({}, admission={"timeline": rows, "window": window})
+    run = refusals.summary(samples, (100.0, float("inf")))
+    assert run == {"refused": 53, "window_s": 4.0}
+
+    data = make({}, refusals={"timeline": rows, "window": refusals.summary(samples, (102.0, 104.0)), "run": run})
     report.write(data, tmp_path)
     text = (tmp_path / "report.md").read_text()
-    assert "The tokenizer refused 50 requests and the encoder shed 3 in the window's 3 s." in text
-    assert "with 25% of the latency budget at the lowest, and with less than all of it for 2 s" in text
+    assert "The encoder refused 23 requests as overloaded in the window's 2 s, 53 over the whole run" in text
     assert (tmp_path / "latency.png").stat().st_size > 1000
 
 
-def test_a_late_admission_read_spreads_its_refusals_over_the_seconds_it_spanned():
-    from loadtest import admission
+def test_a_report_without_refusal_reads_says_why():
+    text = report._markdown(make({}))
+    assert "No refusal figures: the server publishes no `triton_embed_shed_requests_total`" in text
 
-    reads = [(100.0, 1.0, 0, 0), (101.0, 0.5, 0, 0), (104.0, 0.3, 30, 6), (104.5, 0.3, 35, 6)]
-    samples = [admission.parse(SCRAPE.format(share=sh, refused=r, shed=d), t) for t, sh, r, d in reads]
-    rows = admission.per_second(samples, origin_s=100.0)
+
+def test_a_late_refusal_read_spreads_its_refusals_over_the_seconds_it_spanned():
+    from loadtest import refusals
+
+    reads = [(100.0, 0), (101.0, 0), (104.0, 30), (104.5, 35)]
+    rows = refusals.per_second([refusals.parse(SCRAPE.format(refused=r), t) for t, r in reads], origin_s=100.0)
     assert [r["t_s"] for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]  # no second without a row: 102 and 103 were missed
     assert [r["refused_per_s"] for r in rows] == [0.0, 10.0, 10.0, 10.0, 10.0]
-    assert [r["shed_per_s"] for r in rows] == [0.0, 2.0, 2.0, 2.0, 0.0]
-    assert [r["share"] for r in rows] == [0.5, None, None, 0.3, 0.3]
 
 
 def test_stage_total_row_explains_a_sum_past_100_percent(tmp_path):
