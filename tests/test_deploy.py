@@ -470,6 +470,7 @@ def test_dashboard_is_well_formed_and_covers_the_issue():
     exprs = " ".join(t["expr"] for _, t in dashboard_targets())
     for needed in (
         "nv_inference_request_success",  # request rate
+        "triton_embed_shed_requests_total",  # refusals, what TritonEmbedShedding fires on
         'quantile="0.99"',  # p99
         "nv_inference_queue_duration_us",  # queue vs compute per step
         "nv_inference_compute_infer_duration_us",
