@@ -239,15 +239,15 @@ def test_the_async_clients_shared_memory_fallback_warns_at_the_callers_line(serv
 
 
 def shortest(pairs, n: int) -> list[str]:
-    """The ``n`` shortest distinct STS-B sentences (5-10 tokens): chunks of them are not big by themselves."""
+    """The ``n`` shortest distinct STS-B sentences (5-10 tokens)."""
     return sorted({p.a for p in pairs} | {p.b for p in pairs}, key=len)[:n]
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_bulk_call_on_an_idle_server_is_not_refused_without_retries(server, sts_dev, reference, protocol):
-    # 300 new short texts = 5 chunks, 4 at once: more encoder work than a chunk's 180 ms budget on 2 cores, and each
-    # chunk too small to count as big by itself. A new user's embed() of 200 short texts failed this way (refused or
-    # shed, retries included); the chunks of one call now go with latency_budget_ms=0.
+    # 300 new short texts = 5 chunks, 4 at once: more encoder work than a chunk's 180 ms budget on 2 cores, so the
+    # later chunks would be refused for waiting behind the earlier ones; the chunks of one call go with
+    # latency_budget_ms=0.
     tag = secrets.token_hex(4)
     texts = [f"{text} {tag}" for text in shortest(sts_dev, 300)]
     with EmbeddingClient(url=url_for(server, protocol), protocol=protocol, retries=0) as client:

@@ -3,9 +3,8 @@
 A text over ``max_seq_length`` tokens is truncated, so the tokens past the cut never reach the encoder; but the
 Hugging Face tokenizer still normalizes and splits the whole text, and builds every overflowing window of it.
 On 2 CPU cores one request of 64 texts of 60 KB took the tokenizer 3.0 s (1.5 s in-process), and every short
-request behind it in the tokenizer's single queue waited as long, then was refused as late (a new operator's
-trial). The first :data:`HEAD_CHARS` characters hold far more than 256 tokens of any ordinary text, and tokenize
-in a few ms.
+request behind it in the tokenizer's single queue waited as long. The first :data:`HEAD_CHARS` characters hold far
+more than 256 tokens of any ordinary text, and tokenize in a few ms.
 
 When the head gives the same ids: WordPiece (BERT and the like) maps each word on its own, and a word longer than
 ``max_input_chars_per_word`` (100) to one ``[UNK]``, so cutting the text can change only the tokens of the word

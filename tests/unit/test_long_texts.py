@@ -82,7 +82,7 @@ def test_other_tokenizer_models_are_tokenized_whole(tokenizer):
 
 
 def test_the_characters_tokenized_count_the_head_not_the_whole_text(tokenizer):
-    """What a request's share of the tokenizer's time is weighed by (the encoder does not count it as waiting)."""
+    """How much of each text was read: the tokenizer's error says "at least N tokens" for a text read from its head."""
     read_whole = "ACGT" * 16_000  # one 64,000-character word: its head is one [UNK], too few tokens, so read whole
     texts = ["short one", words(random.Random(1), 60_000), read_whole]
     _, chars = encode_heads(tokenizer, texts, margin_chars(tokenizer))
