@@ -64,12 +64,12 @@ def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_
     command = [str(PERF_ANALYZER), "-m", "embed", "-i", "grpc", "-u", f"127.0.0.1:{grpc_port}",
                "--input-data", str(data), "--concurrency-range", str(concurrency), "--percentile", "99",
                "--measurement-mode", "count_windows", "--measurement-request-count", "500", "--max-trials", "6",
-               "-f", str(csv)]  # fmt: skip
+               "--stability-percentage", "25", "-f", str(csv)]  # fmt: skip
     if budget_off:
         command += ["--request-parameter", "latency_budget_ms:0:int"]
     run = subprocess.run(command, cwd=data.parent, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
     if run.returncode != 0 or not csv.is_file():
-        lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line.lower()]
+        lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line.lower() or "stable" in line]
         return Level(concurrency, float("nan"), float("nan"), (lines or [f"exit code {run.returncode}"])[-1][:300])
     header, row = csv.read_text().splitlines()[:2]
     fields = dict(zip(header.split(","), row.split(","), strict=False))

@@ -70,7 +70,7 @@ def test_a_bad_budget_parameter_is_invalid_input_naming_field_limit_and_value(la
     with pytest.raises(InferenceServerException) as caught:
         infer(url, "embed", {"TEXT": text_tensor(["x"])}, ["EMBEDDING"], protocol, {"latency_budget_ms": value})
     assert str(caught.value.status()) in ("StatusCode.INVALID_ARGUMENT", "400")
-    expected = f"'latency_budget_ms' must be a number of ms from 0 to 3600000 (0 = never shed); got {value!r}"
+    expected = f"'latency_budget_ms' must be a number of ms from 0 to 3600000 (0 = never refused); got {value!r}"
     assert expected in caught.value.message()
 
 

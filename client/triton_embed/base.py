@@ -55,9 +55,9 @@ class ClientBase:
             max_concurrency: chunks of one long list sent at the same time.
             headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key); copied, so
                 the caller's dict is never changed and may be shared between clients.
-            latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long after entering the
-                encoder's queue this request may end before the server refuses it as overloaded (ms; 0 = never
-                refused, for bulk jobs that prefer slow to rejected; fractions allowed). None = the server's
+            latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long this request may wait
+                in the encoder's queue before the server refuses it as overloaded (ms; 0 = never refused, for bulk
+                jobs that prefer slow to rejected; fractions allowed). None = the server's
                 ``LATENCY_BUDGET_MS`` (180 ms as shipped).
             truncate: sent as the request parameter ``truncate``: False makes a text over ``max_seq_length`` tokens
                 (256 for all-MiniLM-L6-v2) an ``InvalidInputError`` instead of being cut as sentence-transformers

@@ -46,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--file", type=argparse.FileType("rb"), help="one UTF-8 text per line")
     embed.add_argument(
         "--latency-budget-ms", type=float, default=None,
-        help="how long the server may take before it refuses as overloaded, ms (0 = never refuse, for bulk jobs; "
-        "default: the server's LATENCY_BUDGET_MS, sized to the SLA)",
+        help="how long the request may wait in the encoder's queue before the server refuses it as overloaded, ms "
+        "(0 = never refuse, for bulk jobs; default: the server's LATENCY_BUDGET_MS)",
     )  # fmt: skip
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")

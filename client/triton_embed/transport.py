@@ -110,7 +110,7 @@ class Settings:
             isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= MAX_BUDGET_MS
         ):
             raise ValueError(
-                f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never shed); "
+                f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); "
                 f"got {budget!r}"
             )
         if not isinstance(settings.binary, bool):
@@ -203,8 +203,8 @@ class RequestBuilder:
     def infer_kwargs(self, bulk: bool = False) -> dict:
         """Keyword arguments for tritonclient's ``infer``.
 
-        The request parameter ``latency_budget_ms`` (how long after entering the encoder's queue this request
-        may end before the encoder refuses it, ms): the client's setting when it has one; else ``0`` (never
+        The request parameter ``latency_budget_ms`` (how long this request may wait in the encoder's queue
+        before the encoder refuses it, ms): the client's setting when it has one; else ``0`` (never
         refused) for a ``bulk`` request, one chunk of a call split into several; else none (the server's
         ``LATENCY_BUDGET_MS``, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
         one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
@@ -283,7 +283,7 @@ def disable_shared_memory_warning(url: str, error: Exception) -> None:
         frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(
         f"shared memory registration with {url} failed ({error}); falling back to sending tensors over the "
-        "network (registration is an admin API: pass the server's admin key header, see the README's threat "
+        "network (registration is an admin API: pass the server's admin key header, see docs/operations.md, threat "
         "model; and client and server must share /dev/shm, e.g. the same host or container IPC namespace)",
         RuntimeWarning,
         stacklevel=stacklevel,

@@ -10,9 +10,9 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 and the rows are split back per request.
 
 Overload control (``overload.py``, docs/overload.md): the tokenizer stamps each request with ``queued_ns`` as it hands
-it on (``time.monotonic_ns()``, one clock for every process on the host). At each execution the requests that would end
-more than ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) after that stamp are answered UNAVAILABLE, oldest first,
-instead of being computed late; counted in ``triton_embed_shed_requests_total``.
+it on (``time.monotonic_ns()``, one clock for every process on the host). At each execution the requests that have
+waited longer than ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) since that stamp are answered UNAVAILABLE,
+``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted in ``triton_embed_shed_requests_total``.
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
@@ -44,7 +44,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from metric_lifetime import keep
-from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, RunTime, request_budget_ms, shed
+from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, request_budget_ms, shed
 from runners import BucketedRunner, load_module
 
 INPUTS = ("input_ids", "attention_mask")
@@ -169,7 +169,6 @@ class TritonPythonModel:
             ),
         )
         self.runner.warmup()
-        self.run_time = self._calibrated_run_time()
         self.refusals = RefusalHold()
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
@@ -180,31 +179,13 @@ class TritonPythonModel:
                 "re-run `make model`, which sets the configs' dims"
             )
 
-    def _calibrated_run_time(self) -> RunTime:
-        """The first run-time estimate: warm 1 x 8 executions (fixed part), 32 x 32 (per token), fastest of 3 each.
-
-        The executions that follow teach it the load it really meets (``RunTime.observe``).
-        """
-
-        def took_ms(rows: int, width: int) -> float:
-            ids = np.full((rows, width), 100, dtype=np.int64)
-            runs = []
-            for _ in range(3):
-                start = time.perf_counter()
-                self.runner(ids, np.ones_like(ids))
-                runs.append((time.perf_counter() - start) * 1000)
-            return min(runs)
-
-        fixed = took_ms(1, 8)
-        return RunTime(ms_per_token=max(0.0, took_ms(32, 32) - fixed) / (32 * 32), fixed_ms=fixed)
-
     def finalize(self) -> None:
         """Answer the refusals still held; leave the metrics to Triton (``common/metric_lifetime.py``)."""
         self.refusals.close()
         self._metrics.close()
 
     def execute(self, requests: list) -> None:
-        """Validate each request, refuse those that cannot end in time, run the rest as one batch, split the rows.
+        """Validate each request, refuse those that waited past their budget, run the rest as one batch, split the rows.
 
         Every request is answered through its response sender: at once, or a refusal when it falls due
         (``overload.RefusalHold``), so that a held refusal never holds up the next execution.
@@ -226,13 +207,7 @@ class TritonPythonModel:
                 budgets.append(0.0)
                 pieces.append(None)
         live = [i for i, piece in enumerate(pieces) if piece is not None]
-        refused = shed(  # overload control (overload.py)
-            [waited[i] for i in live],
-            [pieces[i][0].shape[0] for i in live],
-            [last_real_column(pieces[i][1]) + 1 for i in live],
-            [budgets[i] for i in live],
-            self.run_time,
-        )
+        refused = shed([waited[i] for i in live], [budgets[i] for i in live])  # overload control (overload.py)
         for k, message in refused.items():
             error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
             answer = _answer(requests[live[k]], pb_utils.InferenceResponse(output_tensors=[], error=error))
@@ -244,9 +219,7 @@ class TritonPythonModel:
         valid = [piece for piece in pieces if piece is not None]
         if valid:  # merge -> run
             ids, mask = merge_ragged(valid)
-            start = time.perf_counter()
             embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
-            self.run_time.observe((time.perf_counter() - start) * 1000, *ids.shape)
             if embeddings.shape != (ids.shape[0], self.dim):
                 raise pb_utils.TritonModelException(
                     f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "

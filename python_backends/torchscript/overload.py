@@ -1,17 +1,15 @@
-"""Overload control of the encoder: serve what can finish within the latency budget, refuse the rest late.
+"""Overload control of the encoder: refuse what has already waited past the latency budget, and refuse it late.
 
-Policy: at each execution the encoder refuses, oldest first, the requests that would end more than their latency
-budget after entering its queue (their wait so far plus the batch's expected run time, less their own run time
-alone), and runs the rest. A refusal is answered ``REFUSAL_HOLD_MS`` after the request entered the queue, about
-when it would have been served had it waited its turn, so a client that retries at once cannot send faster than
-the server answers.
+Policy: at each execution the encoder refuses the requests that have waited longer than their latency budget in
+its queue, and runs the rest. A refusal is answered ``REFUSAL_HOLD_MS`` after the request entered the queue, so a
+client that retries at once cannot send faster than the server answers.
 
 Nothing else refuses: Triton's queues hold every request until the encoder takes it, so a load the encoder serves
 within the budget is never refused, on a fresh server or after an idle spell alike. The budget is the model config
 parameter ``LATENCY_BUDGET_MS`` (0 = never refuse); a request may carry its own as the request parameter
 ``latency_budget_ms``. Design and figures: docs/overload.md.
 
-Pure Python (no torch, no Triton): tests/unit/test_overload.py.
+Pure Python (no torch, no Triton): tests/unit/test_overload_policy.py.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` a request may carry, ms (an hour; 0 is "never refuse" for longer jobs)."""
@@ -60,90 +57,44 @@ def request_budget_ms(parameters: str | None, default_ms: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
         raise BudgetError(
             f"request parameter 'latency_budget_ms' must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} "
-            f"(0 = never shed); got {value!r}"
+            f"(0 = never refused); got {value!r}"
         )
     return float(value)
 
 
-def refusal_message(waited_ms: float, run_ms: float, budget_ms: float) -> str:
-    """The UNAVAILABLE message of a refused request: what it waited, what its batch needs, the budget and the knobs.
+def refusal_message(waited_ms: float, budget_ms: float) -> str:
+    """The UNAVAILABLE message of a refused request: its wait, the budget and the knobs.
 
     Args:
         waited_ms: the request's wait in the encoder's queue, ms.
-        run_ms: the expected run time of the batch it would have joined, ms.
         budget_ms: the request's latency budget, ms.
     """
     return (
-        f"overloaded: the request waited {waited_ms:.0f} ms for the encoder and its batch needs ~{run_ms:.0f} ms, "
-        f"over the {budget_ms:g} ms latency budget (LATENCY_BUDGET_MS in the encoder's config; the request parameter "
-        "latency_budget_ms overrides it, 0 = never shed). Retry with backoff"
+        f"overloaded: the request waited {waited_ms:.0f} ms in the encoder's queue, over the {budget_ms:g} ms "
+        "latency budget (LATENCY_BUDGET_MS in the encoder's config; the request parameter latency_budget_ms "
+        "overrides it, 0 = never refused). Retry with backoff"
     )
 
 
-@dataclass
-class RunTime:
-    """Expected run time of a batch: ``fixed_ms + ms_per_token x rows x padded length``, moving averages.
-
-    Attributes:
-        ms_per_token: cost per padded token, ms; learned from executions of at least ``min_tokens`` tokens.
-        fixed_ms: cost of an execution whatever it holds, ms; learned from the smaller executions.
-        alpha: weight of each new execution (0.1: about the last 10 of that kind).
-        min_tokens: executions of at least this many padded tokens teach ``ms_per_token``, smaller ones ``fixed_ms``.
-    """
-
-    ms_per_token: float
-    fixed_ms: float = 0.0
-    alpha: float = 0.1
-    min_tokens: int = 256
-
-    def ms(self, rows: int, width: int) -> float:
-        """Expected run time of ``rows`` texts padded to ``width`` tokens, ms."""
-        return self.fixed_ms + self.ms_per_token * rows * width
-
-    def observe(self, took_ms: float, rows: int, width: int) -> None:
-        """Learn from one execution of ``rows`` x ``width`` padded tokens that took ``took_ms`` ms."""
-        tokens = rows * width
-        if tokens >= self.min_tokens:
-            per_token = max(0.0, took_ms - self.fixed_ms) / tokens
-            self.ms_per_token += self.alpha * (per_token - self.ms_per_token)
-        else:
-            fixed = max(0.0, took_ms - self.ms_per_token * tokens)
-            self.fixed_ms += self.alpha * (fixed - self.fixed_ms)
-
-
-def shed(
-    waited_ms: list[float | None], rows: list[int], widths: list[int], budgets_ms: list[float], run_time: RunTime
-) -> dict[int, str]:
+def shed(waited_ms: list[float | None], budgets_ms: list[float]) -> dict[int, str]:
     """The requests of one execution to refuse, each with its message; the others run as one batch.
 
-    While some kept request would end past its deadline, the one that has waited longest of those is refused and
-    the batch's run time recomputed. A request's deadline is its budget after it entered the queue plus its own run
-    time alone: a request is refused for waiting behind others, never for its own size.
+    A request is refused when it has waited longer than its budget in the encoder's queue: it has already missed,
+    and serving it would only make the requests behind it miss too. Nothing is refused on a prediction.
 
     Args:
         waited_ms: per request, ms since it entered the encoder's queue; None (a direct caller, no stamp) is never
             refused.
-        rows: per request, its texts.
-        widths: per request, its longest text in tokens.
         budgets_ms: per request, its latency budget, ms; 0 = never refused.
-        run_time: the expected run time of a batch.
 
     Returns:
         ``{request index: UNAVAILABLE message}``.
     """
-    kept = [i for i in range(len(rows)) if waited_ms[i] is not None and budgets_ms[i] > 0]
-    others = [i for i in range(len(rows)) if i not in kept]
-    refused: dict[int, str] = {}
-    while kept:
-        batch = [*kept, *others]
-        run_ms = run_time.ms(sum(rows[i] for i in batch), max(widths[i] for i in batch))
-        late = [i for i in kept if waited_ms[i] + run_ms > budgets_ms[i] + run_time.ms(rows[i], widths[i])]
-        if not late:
-            break
-        oldest = max(late, key=lambda i: waited_ms[i])
-        kept.remove(oldest)
-        refused[oldest] = refusal_message(waited_ms[oldest], run_ms, budgets_ms[oldest])
-    return refused
+    return {
+        i: refusal_message(waited, budget)
+        for i, (waited, budget) in enumerate(zip(waited_ms, budgets_ms, strict=True))
+        if waited is not None and budget > 0 and waited > budget
+    }
 
 
 class RefusalHold:

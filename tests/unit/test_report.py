@@ -69,15 +69,15 @@ def test_failures_are_listed_by_message(tmp_path):
 
 
 def test_failures_that_differ_only_in_their_numbers_are_one_kind():
-    def refused(waited: int, needs: int) -> Sample:
-        message = f"ServerUnavailableError: overloaded: the request waited {waited} ms for the encoder and its batch "
-        return Sample(101.0, 5.0, "embed x1", "grpc", True, message + f"needs ~{needs} ms, over the 180 ms budget")
+    def refused(waited: int, budget: int) -> Sample:
+        message = f"ServerUnavailableError: overloaded: the request waited {waited} ms in the encoder's queue, over "
+        return Sample(101.0, 5.0, "embed x1", "grpc", True, message + f"the {budget} ms latency budget")
 
     timeout = Sample(101.0, 5.0, "embed x1", "grpc", True, "EmbeddingTimeoutError: no answer within 10 s")
-    kinds = report.errors([refused(163, 25), refused(104, 92), refused(177, 42), timeout, refused(155, 28)])
+    kinds = report.errors([refused(193, 180), refused(204, 180), refused(377, 180), timeout, refused(185, 100)])
     assert [(k["count"], k["error"]) for k in kinds] == [
-        (4, "ServerUnavailableError: overloaded: the request waited 163 ms for the encoder and its batch needs ~25 ms, "
-         "over the 180 ms budget"),
+        (4, "ServerUnavailableError: overloaded: the request waited 193 ms in the encoder's queue, over the 180 ms "
+         "latency budget"),
         (1, "EmbeddingTimeoutError: no answer within 10 s"),
     ]  # fmt: skip
 
