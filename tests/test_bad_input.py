@@ -149,7 +149,7 @@ def test_encoder_rejects_bad_tensors_with_the_limit_and_value(server, ids, mask,
 
 
 def test_non_kserve_http_bodies_get_tritons_own_answers(server, reference):
-    """Triton 2.51's HTTP frontend, before our code: documented in the README's limits table, pinned here."""
+    """Triton 2.51's HTTP frontend, before our code: documented in docs/troubleshooting.md, pinned here."""
     url = f"http://{server.http_url}/v2/models/embed/infer"
     for body, fragment in ((b"{}", "Unable to parse 'inputs'"), (b"{bad", "failed to parse the request JSON buffer")):
         request = urllib.request.Request(url, data=body, method="POST")

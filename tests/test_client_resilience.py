@@ -175,7 +175,7 @@ def test_timeout_s_bounds_every_grpc_call_to_a_server_that_never_answers(kind):
 
 def test_one_headers_dict_serves_binary_json_and_shared_memory_clients_in_turn(server):
     """tritonclient's HTTP client writes Inference-Header-Content-Length into the headers dict it is given; the
-    README's pattern (one dict with the admin key) then broke the next JSON or shared-memory client."""
+    documented pattern (one dict with the admin key) then broke the next JSON or shared-memory client."""
     headers = server.admin_headers("http")
     kept = dict(headers)
     for options in ({}, {"binary": False}, {"use_shared_memory": True}, {"binary": False}):

@@ -100,7 +100,7 @@ def test_the_clients_truncate_option_reaches_the_server(server, reference, proto
 
 
 def test_the_response_cache_answers_a_cached_text_whatever_the_request_parameters(server, reference):
-    # Triton 2.51's response cache keys on the texts alone (README, "Identical requests..."): once a long text has
+    # Triton 2.51 caches on the texts alone (docs/architecture.md, "Response cache"): once a long text has
     # been served truncated, truncate=false for it is answered from the cache, not refused.
     long = "cached once " + "word " * 400
     send(server, "grpc", texts(long.encode()))

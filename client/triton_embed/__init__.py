@@ -1,7 +1,7 @@
 """triton_embed: client for the triton-embed text-embedding service on NVIDIA Triton Inference Server.
 
 ``EmbeddingClient`` (threads) and ``AsyncEmbeddingClient`` (asyncio) over gRPC or HTTP; errors are subclasses of
-``EmbeddingError``. See the README's "Client API" section.
+``EmbeddingError``. See docs/client.md.
 """
 
 from triton_embed.aio import AsyncEmbeddingClient

@@ -108,7 +108,7 @@ def _exposure_note(host: str) -> str:
     wildcard = " (gRPC on every address, IPv6 included)" if host in ("0.0.0.0", "", "::") else ""  # noqa: S104
     return (
         f"Bound to {host}: inference, health, metadata, statistics and metrics are open to the network without a "
-        f"key{wildcard}; see the README's 'Threat model'.\n"
+        f"key{wildcard}; see docs/operations.md, 'Threat model and the admin lock'.\n"
     )
 
 
