@@ -24,7 +24,9 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+
+from bench.level import Level
 
 MODEL = "embed"
 
@@ -105,28 +107,6 @@ def get_json(url: str, path: str, timeout_s: float = 10.0) -> dict:
     if response.status != 200:
         raise InferError(f"GET {path}: HTTP {response.status}: {payload[:300].decode(errors='replace')}")
     return json.loads(payload)
-
-
-@dataclass(frozen=True)
-class Level:
-    """One concurrency level of the closed loop.
-
-    Attributes:
-        concurrency: client threads, each with one request (one text) in flight.
-        requests: answers received in the measured window.
-        errors: requests that failed in the measured window (refusals under overload included).
-        throughput: answers per second in the measured window (one text each, so also texts/s).
-        p50_ms, p99_ms: latency percentiles of the answers, milliseconds (NaN without answers).
-        first_error: the first error's message, empty when there was none.
-    """
-
-    concurrency: int
-    requests: int
-    errors: int
-    throughput: float
-    p50_ms: float
-    p99_ms: float
-    first_error: str = ""
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

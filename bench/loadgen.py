@@ -6,32 +6,13 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from triton_embed.transport import DEFAULT_BACKOFF_S, backoff
 
+from bench.level import Level
+
 Sender = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Level:
-    """One concurrency level's result.
-
-    Attributes:
-        concurrency: client threads, each with one request in flight.
-        requests: requests completed in the measured window.
-        errors: requests that raised.
-        throughput: completed requests per second (one sentence each, so also sentences/s).
-        p50_ms, p99_ms: latency percentiles, milliseconds.
-    """
-
-    concurrency: int
-    requests: int
-    errors: int
-    throughput: float
-    p50_ms: float
-    p99_ms: float
 
 
 def closed_loop(
