@@ -94,7 +94,9 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server, way):
     """Triton 2.51 refuses to unregister a region that a request holds, and lets go of it only after the response is
     sent; a close right after a response (1 in 300 on busy cores) left the region registered on the server."""
     unique = str(time.time_ns())  # no response-cache hit
-    texts = [" ".join(f"w{i}x{j}" for j in range(200)) + unique for i in range(64)]  # ~1 s of encoder work
+    # 16 texts of 256 tokens: ~1.3 s of encoder work on 2 cores, so the request still holds the region when the
+    # unregister comes (0.5 s in) and lets go of it within the unregister's 5 s (64 such texts took ~5 s)
+    texts = [" ".join(f"w{i}x{j}" for j in range(200)) + unique for i in range(16)]
     client = EmbeddingClient(
         url=server.grpc_url, use_shared_memory=True, latency_budget_ms=0, timeout_s=60,
         headers=server.admin_headers("grpc"),
@@ -110,7 +112,7 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server, way):
             (name,) = client._shm.regions
             unregister_by(way, server, name)
             # served: an unregister that did not wait for the server to let go would have failed the request
-            assert slow.result(timeout=60).shape == (64, 384)
+            assert slow.result(timeout=60).shape == (16, 384)
         assert name not in server_regions(server.grpc_url, server.admin_headers("grpc"))
     finally:
         client.close()
