@@ -5,6 +5,7 @@
     triton-embed similarity "A man plays a guitar." "Someone plays music."
     echo "text from stdin" | triton-embed embed --json
     triton-embed health
+    triton-embed --url 10.0.0.5:8001 health                               # options before or after the subcommand
     triton-embed stats                                                    # per-step latency breakdown
 
 URL and protocol: ``--url``/``--protocol``, else ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL``, else gRPC on
@@ -25,19 +26,42 @@ from triton_embed.client import EmbeddingClient
 from triton_embed.errors import EmbeddingError
 
 
+def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The options every subcommand takes, accepted before the subcommand and after it.
+
+    Args:
+        parser: the main parser (``defaults=True``) or the subcommands' parent parser (``defaults=False``).
+        defaults: whether the options have their defaults here. The subcommands' copies have none
+            (``argparse.SUPPRESS``): argparse copies every value a subparser holds over the main parser's, so a
+            default there would overwrite ``--url`` given before the subcommand. Given in both places, the value
+            after the subcommand wins.
+    """
+
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--url",
+        default=default(None),
+        help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=("grpc", "http"),
+        default=default(None),
+        help="default: the --url scheme, else $TRITON_EMBED_PROTOCOL, else grpc",
+    )
+    parser.add_argument("--model", default=default("embed"), help="model name (default: embed)")
+    parser.add_argument("--timeout", type=float, default=default(30.0), help="seconds per request (default: 30)")
+    parser.add_argument("--json", action="store_true", default=default(False), help="print JSON")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triton-embed", description="Client for the triton-embed service.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _add_common_options(parser, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--url", help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)"
-    )
-    common.add_argument(
-        "--protocol", choices=("grpc", "http"), help="default: the --url scheme, else $TRITON_EMBED_PROTOCOL, else grpc"
-    )
-    common.add_argument("--model", default="embed")
-    common.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
-    common.add_argument("--json", action="store_true", help="print JSON")
+    _add_common_options(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", parents=[common], help="print one embedding per text")
     embed.add_argument(
