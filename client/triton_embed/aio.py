@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import weakref
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -13,14 +17,17 @@ from triton_embed.base import ClientBase
 from triton_embed.client import Health, close_pool_at_exit
 from triton_embed.coalesce import AsyncCoalescer
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
-from triton_embed.inputs import TextsLike, as_texts
-from triton_embed.shm import ShmPool, region_in_use, release_pauses
+from triton_embed.inputs import Embeddings, TextsLike, as_texts
+from triton_embed.shm import Region, ShmPool, region_in_use, release_pauses
 from triton_embed.transport import (
     backoff,
     copied,
     max_batch_and_dim,
     retryable,
 )
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class AsyncEmbeddingClient(ClientBase):
@@ -36,17 +43,13 @@ class AsyncEmbeddingClient(ClientBase):
     long list are sent concurrently, ``max_concurrency`` at a time.
     """
 
-    def _protocol_module(self, protocol: str):
-        if protocol == "grpc":
-            import tritonclient.grpc.aio as module
-        else:
-            import tritonclient.http.aio as module
-        return module
+    def _protocol_module(self, protocol: str) -> ModuleType:
+        return importlib.import_module(f"tritonclient.{protocol}.aio")
 
     def _setup(self) -> None:
         self._coalescer = AsyncCoalescer() if self.settings.coalesce else None
         self._shm = ShmPool() if self.settings.use_shared_memory else None
-        self._client = None
+        self._client: Any = None  # tritonclient's aio InferenceServerClient, made on the first call
         self._calls = 0  # embed() calls in progress, which close() waits for
         self._closing = False
         if self._shm is not None:  # a client never closed still unregisters and frees its regions at exit
@@ -54,7 +57,7 @@ class AsyncEmbeddingClient(ClientBase):
                 self, close_pool_at_exit, self._shm, self.settings.protocol, self.url, self.settings.headers
             )
 
-    def _conn(self):
+    def _conn(self) -> Any:
         if self._closed:
             raise self._closed_error()
         if self._client is None:
@@ -65,7 +68,7 @@ class AsyncEmbeddingClient(ClientBase):
                 self._client = self._module.InferenceServerClient(self.url, conn_timeout=t)
         return self._client
 
-    async def _call(self, method: str, *args, **kwargs):
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Await a tritonclient method; map its errors to ours (over gRPC with ``timeout_s`` as the deadline)."""
         if self.settings.protocol == "grpc":
             kwargs.setdefault("client_timeout", self.settings.timeout_s)
@@ -76,16 +79,18 @@ class AsyncEmbeddingClient(ClientBase):
         except Exception as exc:
             raise from_triton(exc, model=self.model, url=self.url) from exc
 
-    async def _model_config(self) -> dict:
+    async def _model_config(self) -> dict[str, Any]:
         if self._config is None:
             if self.settings.protocol == "grpc":
-                config = (await self._retrying(self._call, "get_model_config", self.model, as_json=True))["config"]
+                config: dict[str, Any] = (
+                    await self._retrying(self._call, "get_model_config", self.model, as_json=True)
+                )["config"]
             else:
                 config = await self._retrying(self._call, "get_model_config", self.model)
             self._config = config
         return self._config
 
-    async def embed(self, texts: TextsLike) -> np.ndarray:
+    async def embed(self, texts: TextsLike) -> Embeddings:
         """Embed texts; row ``i`` belongs to text ``i``. Same inputs, result and errors as the sync client.
 
         Returns:
@@ -107,25 +112,25 @@ class AsyncEmbeddingClient(ClientBase):
             self._warn_of_fallback()
             self._calls -= 1
 
-    async def similarity(self, a: str, b: str) -> float:
+    async def similarity(self, a: str | bytes, b: str | bytes) -> float:
         """Cosine similarity of two texts, in [-1, 1]."""
         vectors = await self.embed([a, b])
         return float(np.dot(vectors[0], vectors[1]))
 
-    async def _embed_chunks(self, items: list[str]) -> np.ndarray:
+    async def _embed_chunks(self, items: list[str]) -> Embeddings:
         step, dim = max_batch_and_dim(await self._model_config())
         chunks = [items[i : i + step] for i in range(0, len(items), step)]
         if len(chunks) == 1:
             return await self._retrying(self._infer_once, chunks[0], dim)
         limit = asyncio.Semaphore(self.settings.max_concurrency)  # this list's chunks only
 
-        async def chunk(texts: list[str]) -> np.ndarray:
+        async def chunk(texts: list[str]) -> Embeddings:
             async with limit:
                 return await self._retrying(self._infer_once, texts, dim, True)
 
         return np.concatenate(await asyncio.gather(*(chunk(c) for c in chunks)))
 
-    async def _retrying(self, fn, *args, **kwargs):
+    async def _retrying(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """``await fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
         for attempt in range(self.settings.retries + 1):
             try:
@@ -138,7 +143,7 @@ class AsyncEmbeddingClient(ClientBase):
                 await asyncio.sleep(backoff(attempt, self.settings.backoff_s))
         raise AssertionError("unreachable")
 
-    async def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> np.ndarray:
+    async def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> Embeddings:
         pool, region = await self._acquire_region(texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region)
@@ -153,15 +158,15 @@ class AsyncEmbeddingClient(ClientBase):
         except TimeoutError as exc:
             raise from_triton(exc, model=self.model, url=self.url) from exc
         finally:
-            if region is not None:
+            if pool is not None and region is not None:
                 pool.release(region)
         self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
         return array
 
-    async def _acquire_region(self, texts: list[str], dim: int):
+    async def _acquire_region(self, texts: list[str], dim: int) -> tuple[ShmPool | None, Region | None]:
         """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
         pool, region = self._take_region(texts, dim)
-        if region is None or region.registered:
+        if pool is None or region is None or region.registered:
             return pool, region
         try:
             await self._call("register_system_shared_memory", region.name, region.key, region.byte_size)
@@ -217,7 +222,7 @@ class AsyncEmbeddingClient(ClientBase):
         while self._calls and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         if self._shm is not None:
-            names = []
+            names: list[str] = []
             await asyncio.to_thread(self._shm.close, names.append)
             for name in names:
                 with contextlib.suppress(EmbeddingError):  # the server may be gone; local regions are freed anyway
@@ -244,5 +249,5 @@ class AsyncEmbeddingClient(ClientBase):
     async def __aenter__(self) -> AsyncEmbeddingClient:
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()

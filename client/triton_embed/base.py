@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from types import ModuleType
+from typing import Any
 
 from triton_embed.errors import EmbeddingError
 from triton_embed.shm import Region, ShmPool
@@ -88,8 +90,9 @@ class ClientBase:
         self._module = self._protocol_module(self.settings.protocol)
         self._builder = RequestBuilder(self.settings, self._module)
         self._counters = Counters()
-        self._config: dict | None = None
+        self._config: dict[str, Any] | None = None
         self._closed = False
+        self._closing = False  # close() has begun: new calls are refused
         self._shm: ShmPool | None = None
         self._shm_lock = threading.Lock()
         self._shm_fallback: Exception | None = None  # why shared memory was given up, until the caller is warned
@@ -100,7 +103,7 @@ class ClientBase:
         s = self.settings
         return (s.retries + 1) * s.timeout_s + s.retries * 2.5
 
-    def _protocol_module(self, protocol: str):
+    def _protocol_module(self, protocol: str) -> ModuleType:
         """The tritonclient module for ``protocol`` (sync or aio); set by the subclass."""
         raise NotImplementedError
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -15,8 +19,8 @@ from triton_embed import server_stats
 from triton_embed.base import ClientBase
 from triton_embed.coalesce import Coalescer
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
-from triton_embed.inputs import TextsLike, as_texts
-from triton_embed.shm import ShmPool
+from triton_embed.inputs import Embeddings, TextsLike, as_texts
+from triton_embed.shm import Region, ShmPool
 from triton_embed.transport import (
     backoff,
     copied,
@@ -26,6 +30,9 @@ from triton_embed.transport import (
 )
 
 __all__ = ["EmbeddingClient", "Health", "normalise_url"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,15 +48,12 @@ class Health:
     error: str = ""
 
 
-def _protocol_module(protocol: str):
-    if protocol == "grpc":
-        import tritonclient.grpc as module
-    else:
-        import tritonclient.http as module
-    return module
+def _protocol_module(protocol: str) -> ModuleType:
+    """``tritonclient.grpc`` or ``tritonclient.http``, imported on first use."""
+    return importlib.import_module(f"tritonclient.{protocol}")
 
 
-def close_pool_at_exit(pool: ShmPool, protocol: str, url: str, headers: dict | None) -> None:
+def close_pool_at_exit(pool: ShmPool, protocol: str, url: str, headers: dict[str, str] | None) -> None:
     """Interpreter-exit cleanup of a client (sync or asyncio) that was never closed.
 
     Unregisters its regions with the client's headers (the shared-memory API is behind the admin header) and
@@ -77,7 +81,7 @@ class EmbeddingClient(ClientBase):
     call opens its own connections (and shared memory regions); the parent's are left to the parent.
     """
 
-    def _protocol_module(self, protocol: str):
+    def _protocol_module(self, protocol: str) -> ModuleType:
         return _protocol_module(protocol)
 
     def _setup(self) -> None:
@@ -89,7 +93,7 @@ class EmbeddingClient(ClientBase):
         """Per-process state: connections, worker pool, shared memory (fresh in a forked child)."""
         self._pid = os.getpid()
         self._local = threading.local()
-        self._connections: list = []
+        self._connections: list[Any] = []  # tritonclient's InferenceServerClient, one per thread
         self._executor: ThreadPoolExecutor | None = None
         self._calls = 0  # embed() calls in progress, which close() waits for
         self._closing = False
@@ -113,7 +117,7 @@ class EmbeddingClient(ClientBase):
         return max_batch_and_dim(self._model_config())[1]
 
     # -- connections ------------------------------------------------------------------------------------------
-    def _conn(self):
+    def _conn(self) -> Any:
         if self._closed:
             raise self._closed_error()
         if os.getpid() != self._pid:
@@ -134,7 +138,7 @@ class EmbeddingClient(ClientBase):
                 self._connections.append(client)
         return client
 
-    def _call(self, method: str, *args, **kwargs):
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call a tritonclient method; map its errors to ours.
 
         Over gRPC every call gets ``timeout_s`` as its deadline: without one, a config fetch or a health check
@@ -150,17 +154,19 @@ class EmbeddingClient(ClientBase):
         except Exception as exc:
             raise from_triton(exc, model=self.model, url=self.url) from exc
 
-    def _model_config(self) -> dict:
+    def _model_config(self) -> dict[str, Any]:
         if self._config is None:
             if self.protocol == "grpc":
-                config = self._retrying(self._call, "get_model_config", self.model, as_json=True)["config"]
+                config: dict[str, Any] = self._retrying(self._call, "get_model_config", self.model, as_json=True)[
+                    "config"
+                ]
             else:
                 config = self._retrying(self._call, "get_model_config", self.model)
             self._config = config
         return self._config
 
     # -- embedding --------------------------------------------------------------------------------------------
-    def embed(self, texts: TextsLike) -> np.ndarray:
+    def embed(self, texts: TextsLike) -> Embeddings:
         """Embed texts; row ``i`` belongs to text ``i``.
 
         Args:
@@ -198,12 +204,12 @@ class EmbeddingClient(ClientBase):
                 self._calls -= 1
                 self._idle.notify_all()
 
-    def similarity(self, a: str, b: str) -> float:
+    def similarity(self, a: str | bytes, b: str | bytes) -> float:
         """Cosine similarity of two texts, in [-1, 1] (dot product of their unit-norm embeddings)."""
         vectors = self.embed([a, b])
         return float(np.dot(vectors[0], vectors[1]))
 
-    def _embed_chunks(self, items: list[str]) -> np.ndarray:
+    def _embed_chunks(self, items: list[str]) -> Embeddings:
         step, dim = max_batch_and_dim(self._model_config())
         chunks = [items[i : i + step] for i in range(0, len(items), step)]
         if len(chunks) == 1:
@@ -214,10 +220,10 @@ class EmbeddingClient(ClientBase):
             executor = self._executor
         return np.concatenate(list(executor.map(lambda c: self._infer_with_retries(c, dim, True), chunks)))
 
-    def _infer_with_retries(self, texts: list[str], dim: int, bulk: bool = False) -> np.ndarray:
+    def _infer_with_retries(self, texts: list[str], dim: int, bulk: bool = False) -> Embeddings:
         return self._retrying(self._infer_once, texts, dim, bulk)
 
-    def _retrying(self, fn, *args, **kwargs):
+    def _retrying(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
         for attempt in range(self.settings.retries + 1):
             try:
@@ -230,7 +236,7 @@ class EmbeddingClient(ClientBase):
                 time.sleep(backoff(attempt, self.settings.backoff_s))
         raise AssertionError("unreachable")
 
-    def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> np.ndarray:
+    def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> Embeddings:
         client = self._conn()
         pool, region = self._acquire_region(client, texts, dim)
         try:
@@ -243,15 +249,15 @@ class EmbeddingClient(ClientBase):
             array, received = self._builder.read(result, texts, dim, region)
             array = array.copy() if region is not None else array
         finally:
-            if region is not None:
+            if pool is not None and region is not None:
                 pool.release(region)
         self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
         return array
 
-    def _acquire_region(self, client, texts: list[str], dim: int):
+    def _acquire_region(self, client: Any, texts: list[str], dim: int) -> tuple[ShmPool | None, Region | None]:
         """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
         pool, region = self._take_region(texts, dim)
-        if region is None or region.registered:
+        if pool is None or region is None or region.registered:
             return pool, region
         try:
             client.register_system_shared_memory(
@@ -325,5 +331,5 @@ class EmbeddingClient(ClientBase):
     def __enter__(self) -> EmbeddingClient:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

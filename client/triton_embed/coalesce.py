@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Future
+from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
+
+from triton_embed.inputs import Embeddings
+
+Row = npt.NDArray[np.float32]
+"""One text's embedding."""
+
+AnyFuture = Future[Row] | asyncio.Future[Row]
+F = TypeVar("F", Future[Row], asyncio.Future[Row])
 
 
-def _claim(inflight: dict, texts: list[str], new_future: Callable[[], object]) -> tuple[dict, dict]:
+def _claim(inflight: dict[str, F], texts: list[str], new_future: Callable[[], F]) -> tuple[dict[str, F], dict[str, F]]:
     """Split the distinct ``texts`` into ``(mine, theirs)``: new futures this call must fill, and in-flight ones."""
     mine, theirs = {}, {}
     for text in dict.fromkeys(texts):
@@ -22,13 +32,13 @@ def _claim(inflight: dict, texts: list[str], new_future: Callable[[], object]) -
     return mine, theirs
 
 
-def _fill(mine: dict, rows) -> None:
+def _fill(mine: Mapping[str, AnyFuture], rows: Iterable[Row]) -> None:
     """Give each claimed future its row."""
     for future, row in zip(mine.values(), rows, strict=True):
         future.set_result(row)
 
 
-def _fail(mine: dict, exc: BaseException) -> None:
+def _fail(mine: Mapping[str, AnyFuture], exc: BaseException) -> None:
     """Pass a failure on to everyone waiting for this call's texts."""
     for future in mine.values():
         if not future.done():
@@ -43,9 +53,9 @@ class Coalescer:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._inflight: dict[str, Future] = {}
+        self._inflight: dict[str, Future[Row]] = {}
 
-    def run(self, texts: list[str], compute: Callable[[list[str]], np.ndarray]) -> np.ndarray:
+    def run(self, texts: list[str], compute: Callable[[list[str]], Embeddings]) -> Embeddings:
         """Embed ``texts`` with ``compute`` (``list[str] -> (n, dim)``) sending each distinct text at most once."""
         with self._lock:
             mine, theirs = _claim(self._inflight, texts, Future)
@@ -66,9 +76,9 @@ class AsyncCoalescer:
     """For asyncio tasks of one event loop: the same as :class:`Coalescer`."""
 
     def __init__(self) -> None:
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[str, asyncio.Future[Row]] = {}
 
-    async def run(self, texts: list[str], compute: Callable[[list[str]], Awaitable[np.ndarray]]) -> np.ndarray:
+    async def run(self, texts: list[str], compute: Callable[[list[str]], Awaitable[Embeddings]]) -> Embeddings:
         """Embed ``texts`` with ``await compute(...)`` sending each distinct text at most once."""
         mine, theirs = _claim(self._inflight, texts, asyncio.get_running_loop().create_future)
         try:

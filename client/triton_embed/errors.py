@@ -122,9 +122,9 @@ def at_call_index(exc: EmbeddingError, items: list[str]) -> EmbeddingError:
     A call is split into requests of ``max_batch_size`` texts (and, with ``coalesce``, only its distinct texts
     not already in flight are sent), so the server's row numbers count within one request, not the caller's list.
     """
-    text = getattr(exc, "text", None)
-    if text is None or text not in items:
+    if not isinstance(exc, InvalidInputError) or exc.text is None or exc.text not in items:
         return exc
+    text = exc.text
     located = type(exc)(f"{exc} (texts[{items.index(text)}] of this call)")
     located.text = text
     return located

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from triton_embed.errors import InvalidInputError
 
-TextsLike = str | bytes | np.ndarray | Iterable[str | bytes]
+TextsLike = str | bytes | npt.NDArray[Any] | Iterable[str | bytes]
 """A str, bytes, an iterable (list, tuple, generator) of str/bytes, or a NumPy array of ``<U``, ``|S`` or object."""
+
+Embeddings = npt.NDArray[np.float32]
+"""``(n, dim)`` float32 rows, one per text."""
 
 
 def as_texts(texts: TextsLike) -> list[str]:
@@ -25,7 +30,7 @@ def as_texts(texts: TextsLike) -> list[str]:
     return [_as_str(i, item) for i, item in enumerate(_items(texts))]
 
 
-def _items(texts: TextsLike) -> list:
+def _items(texts: TextsLike) -> list[object]:
     if isinstance(texts, str | bytes):
         return [texts]
     if isinstance(texts, np.ndarray):
@@ -35,7 +40,8 @@ def _items(texts: TextsLike) -> list:
             raise InvalidInputError(f"a texts array must have shape (n,) or (n, 1); got {texts.shape}")
         if texts.dtype.kind not in "USO":
             raise InvalidInputError(f"a texts array must hold str or bytes (dtype <U, |S or object); got {texts.dtype}")
-        return texts.tolist()
+        items: list[object] = texts.tolist()
+        return items
     if isinstance(texts, Mapping):  # keys or values? iterating would embed the keys without a word
         raise InvalidInputError(
             f"texts must be a str or an iterable of str; got a {type(texts).__name__}: pass list(d.values()) or "
@@ -47,7 +53,7 @@ def _items(texts: TextsLike) -> list:
         raise InvalidInputError(f"texts must be a str or an iterable of str; got {type(texts).__name__}") from None
 
 
-def _as_str(i: int, item) -> str:
+def _as_str(i: int, item: object) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, bytes):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 STEPS = ("embed", "tokenizer", "encoder")
 _DURATIONS = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -41,17 +42,17 @@ class StepStats:
         """Texts per execution (0.0 before the first)."""
         return self.inferences / self.executions if self.executions else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """Fields plus ``avg_batch``, for JSON."""
         return {**asdict(self), "avg_batch": self.avg_batch}
 
 
-def _count_ns(stats: dict, key: str) -> tuple[int, int]:
+def _count_ns(stats: dict[str, Any], key: str) -> tuple[int, int]:
     entry = stats.get("inference_stats", {}).get(key, {})
     return int(entry.get("count", 0)), int(entry.get("ns", 0))
 
 
-def parse(model_stats: dict, before: dict | None = None) -> StepStats:
+def parse(model_stats: dict[str, Any], before: dict[str, Any] | None = None) -> StepStats:
     """Build a :class:`StepStats` from one entry of ``model_stats`` (JSON form); with ``before``, the difference."""
 
     def delta(key: str) -> tuple[int, int]:

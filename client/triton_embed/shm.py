@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import tritonclient.utils.shared_memory as shm
@@ -34,7 +34,7 @@ def region_in_use(error: Exception) -> bool:
     return "currently in use" in str(error)
 
 
-def release_pauses(timeout_s: float = RELEASE_WAIT_S):
+def release_pauses(timeout_s: float = RELEASE_WAIT_S) -> Iterator[float]:
     """Pauses (s) between tries of an unregister that the server refused as in use.
 
     5 ms, doubling up to 200 ms; in all at most ``timeout_s``.

@@ -9,12 +9,16 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import serialize_byte_tensor
 
 from triton_embed.errors import EmbeddingError, ServerUnavailableError
+from triton_embed.inputs import Embeddings
 from triton_embed.shm import Region, ShmPool, output_offset
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -79,12 +83,12 @@ class Settings:
     use_shared_memory: bool
     coalesce: bool
     max_concurrency: int
-    headers: dict | None
+    headers: dict[str, str] | None
     latency_budget_ms: float | None = None
     truncate: bool | None = None
 
     @classmethod
-    def make(cls, *, url: str | None, protocol: str | None, **kwargs) -> Settings:
+    def make(cls, *, url: str | None, protocol: str | None, **kwargs: Any) -> Settings:
         """Fill ``url``/``protocol`` from ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL`` or the defaults.
 
         Raises:
@@ -173,7 +177,7 @@ class Counters:
 
 def backoff(attempt: int, base_s: float) -> float:
     """Seconds to wait before retry ``attempt`` (0-based): exponential, capped at 2 s, with 0-25% jitter."""
-    return min(MAX_BACKOFF_S, base_s * 2**attempt) * (1 + random.random() / 4)  # noqa: S311 - jitter only
+    return min(MAX_BACKOFF_S, base_s * 2.0**attempt) * (1 + random.random() / 4)  # noqa: S311 - jitter only
 
 
 def retryable(error: EmbeddingError) -> bool:
@@ -181,7 +185,7 @@ def retryable(error: EmbeddingError) -> bool:
     return isinstance(error, ServerUnavailableError)
 
 
-def text_tensor(texts: list[str]) -> np.ndarray:
+def text_tensor(texts: list[str]) -> npt.NDArray[np.object_]:
     """``[N, 1]`` object array of UTF-8 bytes: the layout of the ensemble's ``TEXT`` input."""
     return np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
 
@@ -194,13 +198,13 @@ def serialized_bytes(texts: list[str]) -> int:
 class RequestBuilder:
     """Builds ``infer`` arguments for one protocol, with or without shared memory, and reads the answer."""
 
-    def __init__(self, settings: Settings, module) -> None:
+    def __init__(self, settings: Settings, module: ModuleType) -> None:
         """``module`` is ``tritonclient.grpc`` or ``tritonclient.http`` (their aio variants share the classes)."""
         self.settings = settings
         self.module = module
         self.http = settings.protocol == "http"
 
-    def infer_kwargs(self, bulk: bool = False) -> dict:
+    def infer_kwargs(self, bulk: bool = False) -> dict[str, Any]:
         """Keyword arguments for tritonclient's ``infer``.
 
         The request parameter ``latency_budget_ms`` (how long this request may wait in the encoder's queue
@@ -210,18 +214,18 @@ class RequestBuilder:
         one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
         budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores.
         """
-        kwargs: dict = {}  # the gRPC deadline is every call's: the clients' ``_call`` adds it
+        kwargs: dict[str, Any] = {}  # the gRPC deadline is every call's: the clients' ``_call`` adds it
         budget = self.settings.latency_budget_ms
         if budget is None and bulk:
             budget = 0
-        parameters: dict = {} if budget is None else {"latency_budget_ms": budget}
+        parameters: dict[str, float | bool] = {} if budget is None else {"latency_budget_ms": budget}
         if self.settings.truncate is not None:
             parameters["truncate"] = self.settings.truncate
         if parameters:
             kwargs["parameters"] = parameters
         return kwargs
 
-    def build(self, texts: list[str], dim: int, region: Region | None = None):
+    def build(self, texts: list[str], dim: int, region: Region | None = None) -> tuple[list[Any], list[Any], int]:
         """Return ``(inputs, outputs, sent_bytes)``; with ``region`` the tensors travel through shared memory."""
         data = text_tensor(texts)
         tensor = self.module.InferInput(INPUT, list(data.shape), "BYTES")
@@ -251,7 +255,7 @@ class RequestBuilder:
         """Bytes a shared memory region needs for these texts and their embeddings."""
         return output_offset(serialized_bytes(texts)) + len(texts) * dim * 4
 
-    def read(self, result, texts: list[str], dim: int, region: Region | None = None) -> tuple[np.ndarray, int]:
+    def read(self, result: Any, texts: list[str], dim: int, region: Region | None = None) -> tuple[Embeddings, int]:
         """Return ``((len(texts), dim) float32, received_bytes)`` from an ``InferResult``.
 
         Raises:
@@ -290,7 +294,7 @@ def disable_shared_memory_warning(url: str, error: Exception) -> None:
     )
 
 
-def max_batch_and_dim(config: dict) -> tuple[int, int]:
+def max_batch_and_dim(config: dict[str, Any]) -> tuple[int, int]:
     """``(max_batch_size, embedding width)`` from a model config in JSON form."""
     output = next(o for o in config["output"] if o["name"] == OUTPUT)
     return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
@@ -299,7 +303,7 @@ def max_batch_and_dim(config: dict) -> tuple[int, int]:
 __all__ = ["ClientStats", "Settings", "ShmPool"]
 
 
-def copied(headers: dict | None) -> dict | None:
+def copied(headers: dict[str, str] | None) -> dict[str, str] | None:
     """A fresh copy of ``headers`` for one call.
 
     tritonclient's HTTP client adds ``Inference-Header-Content-Length`` to the dict it is given, which then

@@ -40,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _log_transitions(before: dict, after: dict, thresholds: FlagThresholds) -> None:
+def _log_transitions(
+    before: dict[int, dict[str, bool]], after: dict[int, dict[str, bool]], thresholds: FlagThresholds
+) -> None:
     """Print one line per flag that turned on or off between two ticks (``MonitorExporter.flags``)."""
     t = thresholds
     for gpu, flags in after.items():

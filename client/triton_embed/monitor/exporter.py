@@ -24,7 +24,9 @@ Metric names (label ``gpu`` is the NVML index as a string):
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -156,9 +158,9 @@ class MonitorExporter:
         while self._queue and self._queue[0].timestamp < newest - self.history_s:
             self._queue.popleft()
         self.flags = active_flags(self._recent, self._queue, self.thresholds)
-        for gpu, flags in self.flags.items():
-            self.idle_flag.labels(str(gpu)).set(int(flags[IDLE_WITH_QUEUE]))
-            self.saturated_flag.labels(str(gpu)).set(int(flags[SATURATED]))
+        for index, flags in self.flags.items():
+            self.idle_flag.labels(str(index)).set(int(flags[IDLE_WITH_QUEUE]))
+            self.saturated_flag.labels(str(index)).set(int(flags[SATURATED]))
         if self.monitor is not None:
             for source, count in self.monitor.errors.items():
                 grew = count - self._errors_seen.get(source, 0)
@@ -166,7 +168,7 @@ class MonitorExporter:
                     self.errors_total.labels(source).inc(grew)
                 self._errors_seen[source] = count
 
-    def serve(self, host: str, port: int):
+    def serve(self, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread.
 
         Returns:

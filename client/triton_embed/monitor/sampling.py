@@ -90,10 +90,10 @@ def load_nvml() -> tuple[ModuleType | None, str | None]:
     return pynvml, None
 
 
-def _or_nan(read: Callable[[], float], nvml: ModuleType) -> float:
-    """``read()`` as float, or nan when NVML says the GPU does not support it."""
+def _or_nan(nvml: ModuleType, read: Callable[..., float], *args: object) -> float:
+    """``read(*args)`` as float, or nan when NVML says the GPU does not support it."""
     try:
-        return float(read())
+        return float(read(*args))
     except nvml.NVMLError:
         return math.nan
 
@@ -142,11 +142,9 @@ def read_gpus(nvml: ModuleType, now: Callable[[], float] = time.time) -> list[Gp
                 mem_util_pct=mem_util,
                 mem_used_bytes=int(memory.used),
                 mem_total_bytes=int(memory.total),
-                sm_clock_mhz=_or_nan(lambda h=handle: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM), nvml),
-                power_w=_or_nan(lambda h=handle: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0, nvml),
-                temperature_c=_or_nan(
-                    lambda h=handle: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU), nvml
-                ),
+                sm_clock_mhz=_or_nan(nvml, nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
+                power_w=_or_nan(nvml, nvml.nvmlDeviceGetPowerUsage, handle) / 1000.0,
+                temperature_c=_or_nan(nvml, nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
                 processes=processes,
             )
         )
@@ -239,7 +237,7 @@ class GpuMonitor:
             This tick's samples, one per GPU; empty without a GPU or when NVML failed this time (counted in
             ``errors["nvml"]``).
         """
-        if not self.available:
+        if not self.available or self._nvml is None:
             return []
         try:
             samples = read_gpus(self._nvml)
@@ -337,6 +335,6 @@ class GpuMonitor:
         """Start sampling."""
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         """Stop sampling."""
         self.stop()
