@@ -25,7 +25,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test lint bench bench-overload clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install model reference-model serve test unit lint typecheck bench bench-overload clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -51,6 +51,7 @@ serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT)
 
+# Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server.
 test: reference-model system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -74,9 +75,17 @@ system-deps:
 		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus || true; fi; \
 	fi
 
+# Pure-logic tests only: no server, no model export; seconds.
+unit: install
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# mypy on the client package, with the files and strictness of [tool.mypy] in pyproject.toml.
+typecheck: install
+	$(PY) -m mypy
 
 clean:
 	rm -rf .build .pytest_cache

@@ -1,4 +1,4 @@
-"""The code base passes ruff (lint rules and formatting as configured in pyproject.toml)."""
+"""The code base passes ruff (lint and format) and the client package passes mypy, as pyproject.toml configures."""
 
 from __future__ import annotations
 
@@ -19,4 +19,10 @@ def test_ruff_check():
 
 def test_ruff_format():
     done = subprocess.run([RUFF, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_client_package():
+    # the files and the strictness come from [tool.mypy] in pyproject.toml, as for `make typecheck`
+    done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
