@@ -62,6 +62,20 @@ def counts(grpc_url: str, model: str) -> tuple[int, int]:
     return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
 
+def settled_counts(grpc_url: str, model: str, quiet_s: float = 0.3, timeout_s: float = 5.0) -> tuple[int, int]:
+    """:func:`counts` once two reads ``quiet_s`` apart agree: Triton records a request's statistics when it releases
+    the request, which can be just after the client has its response."""
+    last = counts(grpc_url, model)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = counts(grpc_url, model)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 class ByteCountingProxy:
     """A loopback TCP proxy that forwards to ``127.0.0.1:target_port`` and counts the bytes in each direction."""
 
