@@ -36,7 +36,7 @@ class Sample:
 
 MAX_ERROR_CHARS = 1000
 """Longest error message kept per failed request, characters: the server's overload messages run to ~550 and end
-with the knobs to turn (300 cut them mid-word, a new user's trial)."""
+with the knobs to turn (300 cut them mid-word)."""
 
 
 class Recorder:

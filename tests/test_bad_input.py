@@ -91,7 +91,7 @@ def test_a_server_side_error_names_the_callers_index_not_the_row_of_its_request(
 
 def test_a_failed_coalesced_async_call_raises_without_asyncio_logging_its_futures(server):
     """Each distinct text's future got the exception and nobody awaited it: asyncio logged "Future exception was
-    never retrieved" with a traceback per text, hundreds under overload (a new user's trial)."""
+    never retrieved" with a traceback per text, hundreds under overload."""
     logged = []
 
     async def call() -> None:

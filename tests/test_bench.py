@@ -42,7 +42,7 @@ def test_variant_keeps_the_artifacts_linked(tmp_path, fixed):
 
 
 def test_levels_with_failed_requests_are_named_under_the_table():
-    """A trial's run had 416 failed requests at one level of triton-fixed128: not eligible, and not shown anywhere."""
+    """A level with failed requests is not eligible for the best point, and the report names it."""
     level = {"concurrency": 1, "throughput": 50.0, "p50_ms": 10.0, "p99_ms": 20.0, "errors": 0, "requests": 400}
     failed = {**level, "concurrency": 32, "errors": 416}
     fixed = {"best": level, "levels": [level, failed]}

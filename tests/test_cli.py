@@ -57,7 +57,7 @@ def test_non_utf8_stdin_is_a_clear_error_naming_the_line_and_byte(server):
 
 @pytest.mark.parametrize("command", ["embed", "similarity"])
 def test_a_non_utf8_argument_is_a_clear_error_naming_the_byte(server, command):
-    """An argument that is not UTF-8 gave a raw UnicodeEncodeError (a new user's trial)."""
+    """An argument that is not UTF-8 is named by its byte, as stdin does, not a raw UnicodeEncodeError."""
     texts = [b"good", b"ok\xffbad"]
     done = subprocess.run(
         [*CLI, command, "--url", server.grpc_url, *texts], capture_output=True, timeout=120, check=False
@@ -105,7 +105,7 @@ def test_unreachable_server_is_a_clear_error():
 
 
 def test_the_wrong_port_for_the_protocol_says_which_port_to_use(server):
-    # a new user: TRITON_EMBED_URL at the gRPC port, then `--protocol http` as the README's stdin example shows
+    # TRITON_EMBED_URL at the gRPC port, then `--protocol http`, as docs/client.md's stdin example shows
     env = {**os.environ, "TRITON_EMBED_URL": server.grpc_url}
     done = subprocess.run([*CLI, "embed", "--protocol", "http", "x"], capture_output=True, text=True, timeout=120,
                           check=False, env=env)  # fmt: skip
@@ -129,7 +129,7 @@ def test_health_reports_ready(server):
     assert json.loads(done.stdout) == {"live": True, "ready": True, "model_ready": True, "error": ""}
     down = run_cli("health", "--url", "127.0.0.1:1")
     assert down.returncode == 1 and "model_ready=False" in down.stdout and "127.0.0.1:1" in down.stderr
-    # the other protocol's port: not just "down", but why (a new user's probe script)
+    # the other protocol's port: not just "down", but why
     wrong = run_cli("health", "--url", server.http_url)
     assert wrong.returncode == 1 and "HTTP port, 8000 by default, use protocol 'http'" in wrong.stderr
     # the metrics port answers 200 to /v2/health/ready too, with an empty body: not a healthy Triton endpoint
@@ -138,7 +138,7 @@ def test_health_reports_ready(server):
         done = run_cli(*command, "--url", metrics)
         assert done.returncode == 1 and "is this Triton's metrics port" in done.stderr, (command, done.stderr)
     assert "model_ready=False" in run_cli("health", "--protocol", "http", "--url", metrics).stdout
-    grpc_to_metrics = run_cli("health", "--url", metrics)  # gRPC, the default protocol (a trial's hint named HTTP only)
+    grpc_to_metrics = run_cli("health", "--url", metrics)  # gRPC, the default protocol
     assert grpc_to_metrics.returncode == 1 and "its metrics port, 8002, serves no API" in grpc_to_metrics.stderr
 
 

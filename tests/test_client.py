@@ -116,7 +116,7 @@ def test_empty_input_and_non_text_send_no_inference(server):
         with pytest.raises(InvalidInputError, match=r"shape \(n,\) or \(n, 1\); got \(2, 2\)"):
             client.embed(np.array([["a", "b"], ["c", "d"]]))
         with pytest.raises(InvalidInputError, match=r"got a dict: pass list\(d.values\(\)\) or list\(d\)"):
-            client.embed({"a key": 1})  # iterating it would embed the keys without a word (a new user's trial)
+            client.embed({"a key": 1})  # iterating it would embed the keys without a word
         assert client.stats().requests == 0
     assert settled_counts(server.grpc_url, "embed") == before
 

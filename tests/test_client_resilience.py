@@ -150,7 +150,7 @@ def test_a_timeout_is_a_timeout_error_and_is_not_retried(server, protocol):
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])
 def test_timeout_s_bounds_every_grpc_call_to_a_server_that_never_answers(kind):
     """A port that accepts connections and says nothing (a hung server, a wrong service): gRPC's handshake waited
-    ~20 s for the model config and for health(), whatever timeout_s said (a new user's trial)."""
+    ~20 s for the model config and for health(), whatever timeout_s said."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # accepted by the kernel, never answered
@@ -214,7 +214,7 @@ print(client._shm.regions)
 
 @pytest.mark.parametrize("kind", ["grpc", "http", "async-grpc", "async-http"])
 def test_close_waits_for_a_call_in_flight_and_refuses_later_ones(server, kind):
-    """A new user's close() from another thread/task broke a one-request call ("Channel closed!", CancelledError)."""
+    """close() from another thread/task must not break a one-request call ("Channel closed!", CancelledError)."""
     transport = kind.removeprefix("async-")
     url = server.grpc_url if transport == "grpc" else server.http_url
     texts = [" ".join(f"c{i}x{j}" for j in range(120)) + f" {kind} {time.time_ns()}" for i in range(16)]  # ~0.5 s

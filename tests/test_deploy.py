@@ -422,8 +422,8 @@ def test_entrypoint_refuses_a_gpu_config_without_a_usable_driver_before_tritonse
 
 
 def test_the_entrypoints_drain_says_so_when_no_server_answers():
-    """A stop before tritonserver is up: the drain says it did not happen, at once (it said "did not drain within
-    30 s" after 0.2 s, a new user found)."""
+    """A stop before tritonserver is up: the drain says at once that it did not happen, not "did not drain within
+    30 s" after 0.2 s."""
     from triton_embed_server.embedded import free_port
 
     started = time.monotonic()

@@ -65,8 +65,8 @@ def test_cli_reports_missing_model_folder(tmp_path, capsys):
 
 
 def test_without_model_the_exported_model_is_kept_and_default_goes_back(tmp_path, capsys):
-    """`make model MODEL=mine` then `make serve` (which runs `make model` without MODEL) exported the packaged model
-    again, silently: a new user's 128-wide model was replaced by all-MiniLM-L6-v2 (384)."""
+    """`make model MODEL=mine` then `make serve` (which runs `make model` without MODEL) keeps the user's model;
+    `MODEL=default` goes back to the packaged all-MiniLM-L6-v2, and says so."""
     default = exporter.default_model_path()
     mine = tmp_path / "mine"
     shutil.copytree(default, mine)  # a user's own sentence-transformers folder

@@ -143,7 +143,7 @@ class EmbeddingClient(ClientBase):
 
         Over gRPC every call gets ``timeout_s`` as its deadline: without one, a config fetch or a health check
         against a port that accepts connections but never answers waited ~20 s for gRPC's handshake, whatever
-        ``timeout_s`` said (a new user's trial); HTTP's connection has the timeout already.
+        ``timeout_s`` said; HTTP's connection has the timeout already.
         """
         if self.protocol == "grpc":
             kwargs.setdefault("client_timeout", self.settings.timeout_s)

@@ -44,7 +44,7 @@ def _fail(mine: Mapping[str, AnyFuture], exc: BaseException) -> None:
         if not future.done():
             future.set_exception(exc)
             # Read back at once: the caller raises ``exc`` itself, and a future no other call awaits made asyncio
-            # log "Future exception was never retrieved" with a traceback per distinct text (a new user's trial).
+            # log "Future exception was never retrieved" with a traceback per distinct text.
             future.exception()
 
 

@@ -29,7 +29,7 @@ def region_in_use(error: Exception) -> bool:
     Triton 2.50+ counts the requests that use a region and refuses an unregister while any does
     (``Cannot unregister shared memory region '<name>', it is currently in use``, INTERNAL; server pull request
     7567). Triton 2.51 lets go of a request's regions only after it has sent the response, so an unregister right
-    after the client read that response can come too early: 1 close in 300 did in a trial on busy cores.
+    after the client read that response can come too early (1 close in 300 on busy cores).
     """
     return "currently in use" in str(error)
 

@@ -5,7 +5,7 @@ is released. A reload (the watchdog's after a crash needs no finalize, but an op
 API does) starts the new instance first; it gets the *same* family and series (same name, same labels), then the
 old instance's ``finalize`` released its objects, which deleted them under the new instance: the rows vanished from
 ``/metrics`` at once (measured), and under load ``tritonserver`` crashed (``malloc_consolidate(): unaligned
-fastbin chunk``, SIGSEGV; a new user's trial). Objects passed to :func:`keep` are never released: one family per
+fastbin chunk``, SIGSEGV). Objects passed to :func:`keep` are never released: one family per
 metric name and one series per label set, a few hundred bytes per reload, kept by Triton until it exits.
 """
 

@@ -2,7 +2,7 @@
 
 Triton 2.51's shutdown (SIGINT/SIGTERM) stops every model's scheduler at once, the ensemble's second step
 included, so a request whose encoder step was not yet scheduled was refused with ``Server is stopping`` (2 of 6
-requests of 64 texts, sent ~1 s before the signal, in a new user's trial). Unloading the ensemble first, through
+requests of 64 texts, sent ~1 s before the signal). Unloading the ensemble first, through
 the repository API, refuses new requests (Triton answers ``... has no available versions``, which the client
 treats as unavailable) and keeps the tokenizer and encoder loaded until every request already in the ensemble
 has its answer; the readiness endpoint turns false at once, so a load balancer stops sending.

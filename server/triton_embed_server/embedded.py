@@ -47,8 +47,8 @@ class StopFlag:
 
     Not a ``threading.Event``: a Python signal handler runs in the main thread between two bytecodes, possibly
     while that thread is inside ``Event.wait()`` holding the Event's lock, and ``Event.set()`` in the handler then
-    waits for that lock forever (a new user's ``make serve`` hung on Ctrl-C about once in 20 stops; gdb showed the
-    handler blocked on a lock; tests/unit/test_stop_flag.py forces the moment).
+    waits for that lock forever (``make serve`` hung on Ctrl-C about once in 20 stops, the handler blocked on that
+    lock; tests/unit/test_stop_flag.py forces the moment).
     """
 
     def __init__(self) -> None:

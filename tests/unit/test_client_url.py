@@ -45,7 +45,7 @@ def test_unknown_protocol_is_rejected():
     ("url", "protocol"), [("http://127.0.0.1:8000", "http"), ("grpc://127.0.0.1:8001", "grpc"), (":8001", "grpc")]
 )
 def test_the_url_scheme_picks_the_protocol(url, protocol):
-    # A new user's EmbeddingClient(url="http://127.0.0.1:8000") spoke gRPC to the HTTP port ("Socket closed").
+    # EmbeddingClient(url="http://127.0.0.1:8000") must speak HTTP, not gRPC to the HTTP port ("Socket closed").
     client = EmbeddingClient(url=url)
     assert client.protocol == protocol
 

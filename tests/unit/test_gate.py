@@ -65,7 +65,7 @@ def test_timeline_bins_per_second():
 
 
 def test_the_worst_stretch_names_the_seconds_that_failed_the_run():
-    """A new user's failed run: a ~3 s stall held 55 of 58 failures, and the mean per stage did not show it."""
+    """A run whose ~3 s stall held 55 of 58 failures: the report names the stretch, which the mean per stage hides."""
     latencies = [20.0] * 2000  # 20 s at 100 requests/s
     latencies[1300:1600] = [780.0] * 300  # seconds 13-15: a stall
     failed = {1320, 1350, 1410, 1480, 1550, 1590, 500}  # six in the stall, one alone at 5 s

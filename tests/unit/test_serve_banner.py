@@ -1,4 +1,4 @@
-"""`make serve`'s banner shows loopback URLs; a wider bind (HOST=0.0.0.0) must be said in it (a trial missed it)."""
+"""`make serve`'s banner shows loopback URLs; a wider bind (HOST=0.0.0.0) must be said in it."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_only_an_unreaped_stub_counts_as_crashed():
 
 def test_a_stub_that_dies_during_a_look_is_kept_for_the_next_one(monkeypatch):
     """A stub dying between the crash check and the rescan is a zombie at the rescan, which lists live stubs only:
-    it must stay on the watch list, or its crash is never seen (a new user's trial missed one kill in ~14)."""
+    it must stay on the watch list, or its crash is never seen."""
     import triton_embed_server.supervisor as supervisor
 
     stub = subprocess.Popen(["sleep", "60"])  # noqa: S607 - coreutils; this test process plays tritonserver
