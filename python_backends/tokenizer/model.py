@@ -33,7 +33,7 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-# Code shared with the encoder backend (long texts): python_backends/common, beside this
+# Code shared with the encoder backend (long texts, request protocol): python_backends/common, beside this
 # backend's folder (resolved, because the embedded server's backend directory links to python_backends/tokenizer).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 # Batches here are a few short texts: the Rust thread pool of encode_batch only fights the encoder's torch
@@ -43,11 +43,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from long_texts import encode_heads, margin_chars
+from request_protocol import QUEUED, request_parameters
 from tokenizers import Tokenizer
 
 INPUT = "TEXT"
 OUTPUTS = ("input_ids", "attention_mask")
-QUEUED = "queued_ns"
 
 
 class RequestError(ValueError):
@@ -85,15 +85,6 @@ def decode_texts(tensor, max_bytes: int) -> list[str]:
                 f"({exc.reason})"
             ) from None
     return texts
-
-
-def request_parameters(parameters: str | None) -> dict:
-    """A request's parameters (JSON text from ``request.parameters()``) as a dict; {} when absent or unreadable."""
-    try:
-        value = json.loads(parameters or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def token_count(encoding, special_tokens: int) -> int:

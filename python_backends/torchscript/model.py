@@ -35,8 +35,8 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-# Code shared with the tokenizer backend (metric lifetime): python_backends/common, beside this backend's folder
-# (resolved, because the embedded server's backend directory links to python_backends/torchscript).
+# Code shared with the tokenizer backend (metric lifetime, request protocol): python_backends/common, beside this
+# backend's folder (resolved, because the embedded server's backend directory links to python_backends/torchscript).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
 
 import numpy as np
@@ -45,10 +45,10 @@ import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from metric_lifetime import keep
 from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, request_budget_ms, shed
+from request_protocol import QUEUED, request_parameters
 from runners import BucketedRunner, load_module
 
 INPUTS = ("input_ids", "attention_mask")
-QUEUED = "queued_ns"
 OUTPUT = "embedding__0"
 
 
@@ -200,7 +200,7 @@ class TritonPythonModel:
             stamps.append(queued_stamp(request))
             waited.append(None if stamps[i] is None else (now_ns - stamps[i]) / 1e6)
             try:
-                budgets.append(request_budget_ms(request.parameters(), self.latency_budget_ms))
+                budgets.append(request_budget_ms(request_parameters(request.parameters()), self.latency_budget_ms))
                 pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
             except (RequestError, BudgetError) as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -33,11 +32,11 @@ class BudgetError(ValueError):
     """The request parameter ``latency_budget_ms`` is not a number of ms from 0 to :data:`MAX_BUDGET_MS`."""
 
 
-def request_budget_ms(parameters: str | None, default_ms: float) -> float:
+def request_budget_ms(parameters: dict, default_ms: float) -> float:
     """A request's latency budget: its parameter ``latency_budget_ms`` when present, else ``default_ms``.
 
     Args:
-        parameters: the request's parameters as JSON text (``request.parameters()``); None or "" = none.
+        parameters: the request's parameters (``request_protocol.request_parameters``).
         default_ms: the model's ``LATENCY_BUDGET_MS``, ms.
 
     Returns:
@@ -47,11 +46,7 @@ def request_budget_ms(parameters: str | None, default_ms: float) -> float:
         BudgetError: the parameter is present but not a number from 0 to :data:`MAX_BUDGET_MS`; the message names
             the field, the limits and the value.
     """
-    try:
-        values = json.loads(parameters or "{}")
-    except ValueError:
-        values = {}
-    value = values.get("latency_budget_ms") if isinstance(values, dict) else None
+    value = parameters.get("latency_budget_ms")
     if value is None:
         return default_ms
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:

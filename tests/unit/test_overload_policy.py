@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "torchscript"))
+BACKENDS = Path(__file__).resolve().parents[2] / "python_backends"
+sys.path[:0] = [str(BACKENDS / "torchscript"), str(BACKENDS / "common")]
 from overload import BudgetError, RefusalHold, request_budget_ms, shed  # noqa: E402
+from request_protocol import request_parameters  # noqa: E402
 
 
 @pytest.mark.parametrize(("parameters", "expected"), [
@@ -18,13 +20,13 @@ from overload import BudgetError, RefusalHold, request_budget_ms, shed  # noqa: 
     ('{"latency_budget_ms": 0}', 0.0), ('{"latency_budget_ms": 2.5}', 2.5), ('{"latency_budget_ms": 3600000}', 3.6e6),
 ])  # fmt: skip
 def test_the_budget_is_the_request_parameter_else_the_models(parameters, expected):
-    assert request_budget_ms(parameters, 180.0) == expected
+    assert request_budget_ms(request_parameters(parameters), 180.0) == expected
 
 
 @pytest.mark.parametrize("value", ["-5", '"soon"', "1e308", "true"])
 def test_a_bad_budget_names_the_field_the_limits_and_the_value(value):
     with pytest.raises(BudgetError, match=r"'latency_budget_ms' must be a number of ms from 0 to 3600000 .*; got"):
-        request_budget_ms(f'{{"latency_budget_ms": {value}}}', 180.0)
+        request_budget_ms(request_parameters(f'{{"latency_budget_ms": {value}}}'), 180.0)
 
 
 def test_only_requests_that_waited_past_their_budget_are_refused():
