@@ -25,6 +25,8 @@ for _path in (ROOT / "python_backends" / "torchscript", ROOT / "server"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from triton_embed_server.export import tokenize_like_server  # noqa: E402
+
 MINILM_FILES = (
     "config.json",
     "config_sentence_transformers.json",
@@ -183,22 +185,6 @@ def check_texts(texts: list[str]) -> list[str]:
     ]
 
 
-def tokenize(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenise as the tokenizer backend does: each text alone (truncated), the batch padded to its longest.
-
-    Returns:
-        ``(input_ids, attention_mask)``, int64 ``(len(texts), longest)``.
-    """
-    encodings = tokenizer.encode_batch(texts)
-    longest = max([1, *(len(e.ids) for e in encodings)])
-    ids = np.zeros((len(texts), longest), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, enc in enumerate(encodings):
-        ids[row, : len(enc.ids)] = enc.ids
-        mask[row, : len(enc.ids)] = 1
-    return ids, mask
-
-
 def load_tokenizer(repository: Path):
     """The exported ``tokenizer/1/tokenizer.json`` with padding off (truncation kept), as the backend loads it."""
     from tokenizers import Tokenizer
@@ -294,18 +280,18 @@ def in_process(runner, tokenizer, texts: list[str], *, batch: int, seconds: floa
     Returns:
         ``{"batch", "throughput" (texts/s), "batches", "single_p50_ms", "single_p99_ms"}``.
     """
-    runner(*tokenize(tokenizer, texts[:batch]))
+    runner(*tokenize_like_server(tokenizer, texts[:batch]))
     done, start, position = 0, time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         chunk = texts[position : position + batch] or texts[:batch]
         position = (position + batch) % len(texts)
-        runner(*tokenize(tokenizer, chunk))
+        runner(*tokenize_like_server(tokenizer, chunk))
         done += len(chunk)
     throughput = done / (time.perf_counter() - start)
     single: list[float] = []
     for text in texts[:single_calls]:
         t0 = time.perf_counter()
-        runner(*tokenize(tokenizer, [text]))
+        runner(*tokenize_like_server(tokenizer, [text]))
         single.append((time.perf_counter() - t0) * 1000)
     return {
         "batch": batch,
@@ -329,7 +315,7 @@ def served_equals_in_process(url: str, runner, tokenizer, texts: list[str]) -> d
         served = np.array([np.frombuffer(client.embed([t])[0], dtype=np.float32) for t in texts])
     finally:
         client.close()
-    local = runner(*tokenize(tokenizer, texts))
+    local = runner(*tokenize_like_server(tokenizer, texts))
     diff = np.abs(served - local).max(axis=1)
     return {
         "texts": len(texts),

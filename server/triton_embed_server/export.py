@@ -227,17 +227,19 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     return manifest
 
 
-def _embed_like_server(tokenizer, traced, texts: list[str]):
-    """Tokenise and encode ``texts`` the way the served pipeline does: per-text ids, one batch padded to its longest.
+def tokenize_like_server(tokenizer, texts: list[str], pad_id: int = 0):
+    """Tokenise ``texts`` the way the served pipeline does: per-text ids, one batch padded to its longest.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` with padding off (truncation as exported).
+        texts: the texts, at least one.
+        pad_id: the id padding positions hold (their mask is 0, so it does not change any embedding).
 
     Returns:
-        (len(texts), dim) float32 numpy array.
+        ``(input_ids, attention_mask)``, int64 numpy ``(len(texts), longest)``.
     """
     import numpy as np
-    import torch
 
-    pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else 0
-    tokenizer.no_padding()
     encodings = tokenizer.encode_batch(texts)
     longest = max(len(e.ids) for e in encodings)
     ids = np.full((len(texts), longest), pad_id, dtype=np.int64)
@@ -245,6 +247,20 @@ def _embed_like_server(tokenizer, traced, texts: list[str]):
     for row, enc in enumerate(encodings):
         ids[row, : len(enc.ids)] = enc.ids
         mask[row, : len(enc.ids)] = 1
+    return ids, mask
+
+
+def _embed_like_server(tokenizer, traced, texts: list[str]):
+    """Encode ``texts`` as the served pipeline does (:func:`tokenize_like_server`, one batch).
+
+    Returns:
+        (len(texts), dim) float32 numpy array.
+    """
+    import torch
+
+    pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else 0
+    tokenizer.no_padding()
+    ids, mask = tokenize_like_server(tokenizer, texts, pad_id)
     with torch.no_grad():
         return traced(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
 
