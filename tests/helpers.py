@@ -52,8 +52,7 @@ def infer(
         client.close()
 
 
-def counts(grpc_url: str, model: str) -> tuple[int, int]:
-    """(inference_count, execution_count) of ``model`` from Triton's statistics API."""
+def _read_counts(grpc_url: str, model: str) -> tuple[int, int]:
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
         stats = client.get_inference_statistics(model_name=model, as_json=True)["model_stats"][0]
@@ -62,14 +61,15 @@ def counts(grpc_url: str, model: str) -> tuple[int, int]:
     return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
 
 
-def settled_counts(grpc_url: str, model: str, quiet_s: float = 0.3, timeout_s: float = 5.0) -> tuple[int, int]:
-    """:func:`counts` once two reads ``quiet_s`` apart agree: Triton records a request's statistics when it releases
-    the request, which can be just after the client has its response."""
-    last = counts(grpc_url, model)
+def counts(grpc_url: str, model: str, quiet_s: float = 0.3, timeout_s: float = 5.0) -> tuple[int, int]:
+    """(inference_count, execution_count) of ``model`` from Triton's statistics API, once two reads ``quiet_s``
+    apart agree: Triton records a request's statistics when it releases the request, which can be just after the
+    client has its response."""
+    last = _read_counts(grpc_url, model)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(quiet_s)
-        now = counts(grpc_url, model)
+        now = _read_counts(grpc_url, model)
         if now == last:
             break
         last = now

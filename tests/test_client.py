@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from conftest import reference_embed
-from helpers import ByteCountingProxy, counts, settled_counts
+from helpers import ByteCountingProxy, counts
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient, InvalidInputError
 
 VARIANTS = {
@@ -118,7 +118,7 @@ def test_empty_input_and_non_text_send_no_inference(server):
         with pytest.raises(InvalidInputError, match=r"got a dict: pass list\(d.values\(\)\) or list\(d\)"):
             client.embed({"a key": 1})  # iterating it would embed the keys without a word
         assert client.stats().requests == 0
-    assert settled_counts(server.grpc_url, "embed") == before
+    assert counts(server.grpc_url, "embed") == before
 
 
 def test_8_threads_share_one_client(server, reference):
@@ -150,13 +150,13 @@ def test_coalescing_sends_each_distinct_text_once(server, reference):
     with EmbeddingClient(url=server.grpc_url, coalesce=True) as client:
         served = client.embed(texts)
         assert client.stats().texts == 3
-    assert settled_counts(server.grpc_url, "embed")[0] - before == 3
+    assert counts(server.grpc_url, "embed")[0] - before == 3
     np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
 
     before = counts(server.grpc_url, "embed")[0]
     with EmbeddingClient(url=server.grpc_url) as client:  # off by default: every row is sent
         client.embed([f"{tag} again"] * 10)
-    assert settled_counts(server.grpc_url, "embed")[0] - before == 10
+    assert counts(server.grpc_url, "embed")[0] - before == 10
 
 
 def test_concurrent_callers_share_in_flight_texts(server):
@@ -168,7 +168,7 @@ def test_concurrent_callers_share_in_flight_texts(server):
         ThreadPoolExecutor(8) as pool,
     ):
         results = list(pool.map(client.embed, [shared] * 8))
-    sent = settled_counts(server.grpc_url, "embed")[0] - before
+    sent = counts(server.grpc_url, "embed")[0] - before
     assert 8 <= sent < 64, sent  # without coalescing: 8 callers x 8 texts
     for got in results[1:]:
         np.testing.assert_allclose(got, results[0], atol=0)
