@@ -316,9 +316,12 @@ def test_backends_are_python_310(path):
 def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copies():
     copies = [a.split() for i, a in dockerfile_instructions() if i == "COPY" and not a.startswith("--from")]
     backends = sorted(p.parent.name for p in (ROOT / "python_backends").glob("*/model.py"))
-    folders = sorted(p.parent.name for p in (ROOT / "python_backends").glob("*/*.py"))  # common/ has no model.py
-    for name in folders:
+    for name in backends:
         assert [f"python_backends/{name}/", f"/opt/tritonserver/backends/{name}/"] in copies
+    # the package both backends import, and nothing else beside the backends
+    shared = sorted(p.parent.name for p in (ROOT / "python_backends").glob("*/*.py") if p.parent.name not in backends)
+    assert shared == ["triton_embed_protocol"]
+    assert ["python_backends/triton_embed_protocol/", "/tmp/triton_embed_protocol/"] in copies
     configs = "".join(p.read_text() for p in ROOT.glob("model_repository/**/*.pbtxt"))
     assert set(re.findall(r'backend: "(\w+)"', configs)) == set(backends)
     patterns = [
@@ -347,7 +350,7 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
 
 def test_the_monitor_image_install_carries_the_monitor(tmp_path):
     """The monitor image runs `pip install .[monitor]`: the built wheel must hold the package and its script."""
-    for name in ("pyproject.toml", "README.md", "client", "server"):
+    for name in ("pyproject.toml", "README.md", "client", "server", "python_backends/triton_embed_protocol"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     done = subprocess.run(

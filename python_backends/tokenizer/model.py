@@ -5,7 +5,7 @@ Loaded by Triton for every model whose config says ``backend: "tokenizer"``. The
 the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds the transformer.
 
 Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call (texts over 4,096 characters
-from their head when that gives the same ids: ``common/long_texts.py``), and split back per request.
+from their head when that gives the same ids: ``long_texts.py``), and split back per request.
 Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
 that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0, and ``queued_ns``, int64
 ``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue (one clock for
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import sys
 import time
 from pathlib import Path
@@ -33,9 +34,7 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-# Code shared with the encoder backend (long texts, request protocol): python_backends/common, beside this
-# backend's folder (resolved, because the embedded server's backend directory links to python_backends/tokenizer).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
+        site.addsitedir(_path)  # its .pth files too: the editable install of triton_embed_protocol
 # Batches here are a few short texts: the Rust thread pool of encode_batch only fights the encoder's torch
 # threads for the cores (measured: tokenizer execution 4.1 ms -> 1.4 ms at 16 clients on 2 cores).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,15 +42,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from long_texts import encode_heads, margin_chars
-from request_protocol import QUEUED, request_parameters
 from tokenizers import Tokenizer
-
-INPUT = "TEXT"
-OUTPUTS = ("input_ids", "attention_mask")
-
-
-class RequestError(ValueError):
-    """A problem with one request; becomes that request's INVALID_ARG response."""
+from triton_embed_protocol import QUEUED, TEXT, TOKENS, RequestError, request_parameters
 
 
 def decode_texts(tensor, max_bytes: int) -> list[str]:
@@ -62,26 +54,26 @@ def decode_texts(tensor, max_bytes: int) -> list[str]:
             is not valid UTF-8, or holds a NUL byte.
     """
     if tensor is None:
-        raise RequestError(f"missing input tensor '{INPUT}'")
+        raise RequestError(f"missing input tensor '{TEXT}'")
     array = tensor.as_numpy()
     if array.ndim != 2 or array.shape[1] != 1:
-        raise RequestError(f"input '{INPUT}' must have shape [batch, 1]; got {list(array.shape)}")
+        raise RequestError(f"input '{TEXT}' must have shape [batch, 1]; got {list(array.shape)}")
     if array.shape[0] == 0:
-        raise RequestError(f"input '{INPUT}' has 0 texts; at least 1 is required")
+        raise RequestError(f"input '{TEXT}' has 0 texts; at least 1 is required")
     texts = []
     for row, item in enumerate(array[:, 0]):
         raw = item.encode("utf-8") if isinstance(item, str) else bytes(item)
         if len(raw) > max_bytes:
-            raise RequestError(f"input '{INPUT}' row {row} has {len(raw)} bytes; the limit is {max_bytes} bytes")
+            raise RequestError(f"input '{TEXT}' row {row} has {len(raw)} bytes; the limit is {max_bytes} bytes")
         if b"\0" in raw:
             raise RequestError(
-                f"input '{INPUT}' row {row} holds a NUL byte at offset {raw.index(0)}; a text may not hold one"
+                f"input '{TEXT}' row {row} holds a NUL byte at offset {raw.index(0)}; a text may not hold one"
             )
         try:
             texts.append(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise RequestError(
-                f"input '{INPUT}' row {row} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                f"input '{TEXT}' row {row} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
                 f"({exc.reason})"
             ) from None
     return texts
@@ -159,7 +151,7 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 texts_per_request.append(
-                    decode_texts(pb_utils.get_input_tensor_by_name(request, INPUT), self.max_text_bytes)
+                    decode_texts(pb_utils.get_input_tensor_by_name(request, TEXT), self.max_text_bytes)
                 )
             except RequestError as exc:
                 errors[i] = str(exc)
@@ -187,7 +179,7 @@ class TritonPythonModel:
                 if long is not None:
                     whole = chars_of[i][long] >= len(texts_per_request[i][long])  # else read from its head
                     errors[i] = (
-                        f"input '{INPUT}' row {long} has {'' if whole else 'at least '}"
+                        f"input '{TEXT}' row {long} has {'' if whole else 'at least '}"
                         f"{token_count(encs[long], self._special_tokens)} tokens; the limit is {self.max_tokens} "
                         "(the model's max_seq_length) and truncation is off for this request"
                     )
@@ -200,6 +192,6 @@ class TritonPythonModel:
                 continue
             ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
             queued = pb_utils.Tensor(QUEUED, np.full((len(encs), 1), queued_ns, dtype=np.int64))
-            tensors = [pb_utils.Tensor(OUTPUTS[0], ids), pb_utils.Tensor(OUTPUTS[1], mask), queued]
+            tensors = [pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import sys
 import time
 from collections.abc import Callable
@@ -35,9 +36,7 @@ from pathlib import Path
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)
-# Code shared with the tokenizer backend (metric lifetime, request protocol): python_backends/common, beside this
-# backend's folder (resolved, because the embedded server's backend directory links to python_backends/torchscript).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "common"))
+        site.addsitedir(_path)  # its .pth files too: the editable install of triton_embed_protocol
 
 import numpy as np
 import torch
@@ -45,15 +44,10 @@ import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from metric_lifetime import keep
 from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, request_budget_ms, shed
-from request_protocol import QUEUED, request_parameters
 from runners import BucketedRunner, load_module
+from triton_embed_protocol import QUEUED, TOKENS, RequestError, request_parameters
 
-INPUTS = ("input_ids", "attention_mask")
 OUTPUT = "embedding__0"
-
-
-class RequestError(ValueError):
-    """A problem with one request; becomes that request's INVALID_ARG response."""
 
 
 def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,24 +58,24 @@ def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndar
             a token id is outside ``[0, vocab_size)``, or a mask value is not 0/1.
     """
     arrays = []
-    for name in INPUTS:
+    for name in TOKENS:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is None:
             raise RequestError(f"missing input tensor '{name}'")
         arrays.append(tensor.as_numpy())
     ids, mask = arrays
     if ids.shape != mask.shape:
-        raise RequestError(f"'{INPUTS[0]}' has shape {list(ids.shape)} but '{INPUTS[1]}' has {list(mask.shape)}")
+        raise RequestError(f"'{TOKENS[0]}' has shape {list(ids.shape)} but '{TOKENS[1]}' has {list(mask.shape)}")
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise RequestError(f"'{INPUTS[0]}' must have shape [batch >= 1, tokens >= 1]; got {list(ids.shape)}")
+        raise RequestError(f"'{TOKENS[0]}' must have shape [batch >= 1, tokens >= 1]; got {list(ids.shape)}")
     if ids.shape[1] > max_seq_length:
-        raise RequestError(f"'{INPUTS[0]}' has {ids.shape[1]} tokens per row; the limit is {max_seq_length}")
+        raise RequestError(f"'{TOKENS[0]}' has {ids.shape[1]} tokens per row; the limit is {max_seq_length}")
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise RequestError(f"'{INPUTS[0]}' holds token id {bad}; ids must be in [0, {vocab_size})")
+        raise RequestError(f"'{TOKENS[0]}' holds token id {bad}; ids must be in [0, {vocab_size})")
     if not np.isin(mask, (0, 1)).all():
-        raise RequestError(f"'{INPUTS[1]}' must hold only 0 and 1")
+        raise RequestError(f"'{TOKENS[1]}' must hold only 0 and 1")
     return ids, mask
 
 
@@ -180,7 +174,7 @@ class TritonPythonModel:
             )
 
     def finalize(self) -> None:
-        """Answer the refusals still held; leave the metrics to Triton (``common/metric_lifetime.py``)."""
+        """Answer the refusals still held; leave the metrics to Triton (``metric_lifetime.py``)."""
         self.refusals.close()
         self._metrics.close()
 
@@ -287,7 +281,7 @@ class _BucketMetrics:
     def close(self) -> None:
         """Keep every metric and family alive for good, then drop this instance's references.
 
-        Releasing them deleted the reloaded instance's metrics (``common/metric_lifetime.py``).
+        Releasing them deleted the reloaded instance's metrics (``metric_lifetime.py``).
         """
         keep(*self._by_bucket.values(), self._real_metric, self._padded_metric, self._shed_metric)
         keep(self._executions, self._real, self._padded, self._shed)

