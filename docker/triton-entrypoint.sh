@@ -5,7 +5,8 @@
 # metadata triton-grpc-protocol-triton-embed-admin-key) with the key from TRITON_EMBED_ADMIN_KEY. Without that
 # variable a random key is made at every start, so the admin APIs are closed to everyone but the watchdog below.
 #
-# It also starts the stub watchdog (server/triton_embed_server/supervisor.py, stdlib only): Triton 2.51 does not
+# It also starts the stub watchdog (server/triton_embed_server/supervisor.py, stdlib only), a Triton 2.51 workaround
+# (docs/troubleshooting.md, as is the drain below): Triton 2.51 does not
 # restart a Python backend stub that died, so the watchdog reloads that model through the repository API (hence
 # --model-control-mode=explicit in docker-compose.yml) with the admin key. It watches tritonserver's stubs from its
 # start (one that dies while other models still load is reloaded once the server answers), reaches it on 127.0.0.1

@@ -14,7 +14,8 @@ from loadtest.gate import GateResult, Sample, percentiles, stretch_line, timelin
 from loadtest.stages import Stage, culprit
 
 TRITON_FAILURE_COUNTS = 2
-"""How many times Triton 2.51's statistics count one failed request of an ensemble (see :func:`build`)."""
+"""How many times Triton 2.51's statistics count one failed request of an ensemble (see :func:`build`);
+a Triton 2.51 workaround (docs/troubleshooting.md)."""
 
 
 def by_name(samples: list[Sample]) -> list[dict]:

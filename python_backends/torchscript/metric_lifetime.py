@@ -1,5 +1,6 @@
 """Custom metric objects that outlive their model instance, so that a reload does not delete the new one's.
 
+A Triton 2.51 workaround (docs/troubleshooting.md, "Triton 2.51 defects").
 Triton 2.51's Python backend deletes a ``MetricFamily`` (and a ``Metric``) on Triton's side when the Python object
 is released. A reload (the watchdog's after a crash needs no finalize, but an operator's through the repository
 API does) starts the new instance first; it gets the *same* family and series (same name, same labels), then the

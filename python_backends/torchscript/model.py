@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# The 2.51 Python backend stub starts its interpreter without reading PYTHONPATH; the embedded server passes its
-# environment's site-packages there (triton_embed_server.layout.server_environment), so put them on sys.path
-# before the third-party imports below. A no-op in images where the packages are installed system-wide.
+# Triton 2.51 workaround (docs/troubleshooting.md): the stub starts its interpreter without reading PYTHONPATH.
+# The embedded server passes its environment's site-packages there (triton_embed_server.layout.server_environment),
+# so add them before the third-party imports below. A no-op in images where the packages are installed system-wide.
 for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
     if _path and _path not in sys.path:
         sys.path.insert(0, _path)

@@ -1,5 +1,6 @@
 """Graceful drain before shutdown: unload the ``embed`` ensemble, let its requests in flight finish, then stop.
 
+A Triton 2.51 workaround (docs/troubleshooting.md, "Triton 2.51 defects").
 Triton 2.51's shutdown (SIGINT/SIGTERM) stops every model's scheduler at once, the ensemble's second step
 included, so a request whose encoder step was not yet scheduled was refused with ``Server is stopping`` (2 of 6
 requests of 64 texts, sent ~1 s before the signal). Unloading the ensemble first, through

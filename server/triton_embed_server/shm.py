@@ -1,5 +1,6 @@
 """Python backend shared-memory regions that a killed stub leaves in ``/dev/shm``, and their removal.
 
+A Triton 2.51 workaround (docs/troubleshooting.md, "Triton 2.51 defects").
 Triton 2.51's Python backend gives each stub a region of ``shm-default-byte-size`` (1 MiB by default), the file
 ``/dev/shm/triton_<backend>_backend_shm_region_<uuid>``, and unlinks it when the model instance unloads normally.
 A stub that is killed (out of memory, SIGKILL) leaves its region behind, even after the watchdog has reloaded the

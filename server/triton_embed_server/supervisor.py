@@ -1,5 +1,6 @@
 """Stub watchdog: reload a model whose Python backend stub process died.
 
+A Triton 2.51 workaround, as is :func:`finish_stop` (docs/troubleshooting.md, "Triton 2.51 defects").
 Triton 2.51's Python backend does not restart a stub that was killed (out of memory, SIGKILL): the model stays
 READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
 machines). The watchdog polls the server's child processes once a second, every 0.25 s from the server's start
