@@ -10,9 +10,9 @@ reaches no package registry. This puts beside the working tree (``.build/`` is g
   MB). Installed there with ``pip install --no-deps``: pytriton's own dependencies (tritonclient, gevent) serve its
   client, which the embedded server never imports (``layout.find_layout`` reads its files only).
 * ``stub-wheels/``: numpy 1.26.4 for the Python backend stubs alone (``gpu_check.py --stub-path``),
-  a Triton 2.51 workaround (docs/troubleshooting.md): the stub reads BYTES inputs wrongly under numpy 2 (the tokenizer step fails
-  on every text: rehearsed with Python 3.12 and numpy 2.5.2), and the GPU machine has numpy 2; the check itself
-  keeps the machine's numpy.
+  a Triton 2.51 workaround (docs/troubleshooting.md): the stub reads BYTES inputs wrongly under numpy 2
+  (the tokenizer step fails on every text: rehearsed with Python 3.12 and numpy 2.5.2), and the GPU machine
+  has numpy 2; the check itself keeps the machine's numpy.
 * ``minilm/``: all-MiniLM-L6-v2's config, tokenizer and pooling files (~0.7 MB), copied from the packaged model;
   the check builds random weights for that architecture there.
 

@@ -11,7 +11,7 @@ One run on a CUDA machine (under 5 minutes on an H200; every phase has a time li
    and on the CPU from the same file (max abs diff < 1e-3); graph vs eager throughput per batch at length 32
    (aim: >= 2x for batch <= 8);
 3. in-process throughput of tokenizer + graph runner (batches of 64) on the same file and GPU;
-4. the NVML monitor (``triton_embed.monitor``) must see this GPU's utilisation rise under graph replays;
+4. the NVML monitor (``triton_embed_monitor``) must see this GPU's utilisation rise under graph replays;
 5. starts the embedded tritonserver with ``--model-config-name=gpu`` on the copy; each text served alone must equal
    the in-process embedding (< 1e-3); a closed-loop sweep of one-text requests (KServe v2 JSON over ``http.client``,
    ``bench/gpu_load.py``) gives the throughput at p99 <= 20 ms and <= 200 ms, and the first over the in-process

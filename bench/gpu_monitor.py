@@ -1,4 +1,4 @@
-"""The GPU monitor check of ``bench/gpu_check.py``: ``triton_embed.monitor`` must see this GPU get busy.
+"""The GPU monitor check of ``bench/gpu_check.py``: ``triton_embed_monitor`` must see this GPU get busy.
 
 Sampling every 0.2 s, the monitor must report this GPU (its NVML UUID or name) and see its utilisation rise while a
 load runs, over an idle baseline (mean during the load >= idle mean + 20 points). Needs ``nvidia-ml-py`` (carried as
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -20,18 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_monitor():
-    """``triton_embed.monitor`` without running ``triton_embed/__init__`` (which imports tritonclient).
+    """The ``triton_embed_monitor`` package, from this checkout (the GPU machine does not install the project).
 
     Returns:
-        The ``triton_embed.monitor`` module.
+        The ``triton_embed_monitor`` module.
     """
-    if "triton_embed" not in sys.modules:
-        package = types.ModuleType("triton_embed")
-        package.__path__ = [str(ROOT / "client" / "triton_embed")]
-        sys.modules["triton_embed"] = package
-    import triton_embed.monitor
+    if str(ROOT / "monitoring") not in sys.path:
+        sys.path.insert(0, str(ROOT / "monitoring"))
+    import triton_embed_monitor
 
-    return triton_embed.monitor
+    return triton_embed_monitor
 
 
 def check_monitor(run_load, device: torch.device, *, idle_s: float = 3.0, interval_s: float = 0.2) -> dict:
@@ -89,7 +86,7 @@ def check_monitor(run_load, device: torch.device, *, idle_s: float = 3.0, interv
     }
     result["ok"] = bool(mine and idle and busy and busy_mean >= idle_mean + 20.0)
     try:
-        from triton_embed.monitor.exporter import MonitorExporter
+        from triton_embed_monitor.exporter import MonitorExporter
     except ImportError as exc:  # prometheus-client not installed here
         result["exporter"] = f"not checked: {exc}"
     else:

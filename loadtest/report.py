@@ -78,8 +78,8 @@ def gpu_summary(samples, episodes=()) -> list[dict]:
     """Per GPU over the run: samples, mean/max utilisation (%), max memory used (bytes), mean power (W).
 
     Args:
-        samples: ``triton_embed.monitor.GpuSample`` list.
-        episodes: ``triton_embed.monitor.Episode`` list (``idle_with_queue``, ``saturated``); each GPU's row lists
+        samples: ``triton_embed_monitor.GpuSample`` list.
+        episodes: ``triton_embed_monitor.Episode`` list (``idle_with_queue``, ``saturated``); each GPU's row lists
             its own as ``{"kind", "start_s", "duration_s"}``.
     """
     per_gpu: dict[int, list] = {}

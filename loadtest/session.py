@@ -40,8 +40,8 @@ class StatsSource:
 
 
 def _gpu_monitor(interval_s: float, metrics_url: str):
-    """A started ``triton_embed.monitor.GpuMonitor`` (reading Triton's queue too), or None without a GPU."""
-    from triton_embed.monitor import GpuMonitor
+    """A started ``triton_embed_monitor.GpuMonitor`` (reading Triton's queue too), or None without a GPU."""
+    from triton_embed_monitor import GpuMonitor
 
     monitor = GpuMonitor(interval_s=interval_s, triton_metrics_url=metrics_url)
     return monitor.start() if monitor.available else None
@@ -120,7 +120,7 @@ class LoadRun:
             self.snapshots["end"] = {}
         gpu_samples, episodes = [], []
         if self.monitor is not None:
-            from triton_embed.monitor import find_episodes
+            from triton_embed_monitor import find_episodes
 
             self.monitor.stop()
             gpu_samples = self.monitor.samples()

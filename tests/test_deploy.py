@@ -143,7 +143,7 @@ def test_encoder_config_is_chosen_by_environment(setting, config):
 
 
 def test_monitoring_services_point_at_each_other_and_at_files_that_exist():
-    from triton_embed.monitor.cli import DEFAULT_PORT
+    from triton_embed_monitor.cli import DEFAULT_PORT
 
     services = resolved()["services"]
     for name, service in services.items():
@@ -332,8 +332,9 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
     assert patterns[0] == "*", "send nothing by default (.venv alone is gigabytes)"
     for copy in copies:  # a COPY of a path the context lacks fails the build
         assert all((ROOT / src).exists() for src in copy[:-1]), copy
-    for source in {src.rstrip("/").split("/")[0] for c in copies for src in c[:-1]}:
-        assert f"!{source}" in patterns, f"COPY {source} but the .dockerignore leaves it out"
+    sent = [p[1:] for p in patterns if p.startswith("!")]
+    for source in {src.rstrip("/") for c in copies for src in c[:-1]}:
+        assert any(source == s or source.startswith(f"{s}/") for s in sent), f"COPY {source}, left out of the context"
     assert "model_repository/*/1/*" in patterns  # a host-side export never reaches the image
     # the stub watchdog, where the entrypoint looks for it by default
     watchdog, drainer = "/opt/triton-embed/supervisor.py", "/opt/triton-embed/drain.py"
@@ -350,7 +351,10 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
 
 def test_the_monitor_image_install_carries_the_monitor(tmp_path):
     """The monitor image runs `pip install .[monitor]`: the built wheel must hold the package and its script."""
-    for name in ("pyproject.toml", "README.md", "client", "server", "python_backends/triton_embed_protocol"):
+    for name in (
+        "pyproject.toml", "README.md", "client", "server", "python_backends/triton_embed_protocol",
+        "monitoring/triton_embed_monitor",
+    ):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     done = subprocess.run(
@@ -360,9 +364,9 @@ def test_the_monitor_image_install_carries_the_monitor(tmp_path):
     assert done.returncode == 0, done.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "triton_embed/monitor/cli.py" in names and "triton_embed/monitor/__main__.py" in names
+    assert "triton_embed_monitor/cli.py" in names and "triton_embed_monitor/__main__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "triton-embed-monitor = triton_embed.monitor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "triton-embed-monitor = triton_embed_monitor.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_entrypoint_locks_admin_apis_like_the_embedded_server():

@@ -44,7 +44,14 @@ from deploy_helpers import (
     sync_model_repository,
     tool,
 )
-from helpers import drained_requests, embed_until_answered, kill_stub_mid_request, load_across_a_signal, post_status
+from helpers import (
+    embed_until_answered,
+    held_repository,
+    held_requests,
+    held_requests_across_a_signal,
+    kill_stub_mid_request,
+    post_status,
+)
 from triton_embed import EmbeddingClient
 from triton_embed_server.supervisor import process_alive, stub_processes
 
@@ -162,7 +169,7 @@ def test_image_versions_match_the_embedded_server_and_the_lock(compose_server):
 
 
 def recorded_gpu_sample(timestamp: float, gpu: int, util: float):
-    from triton_embed.monitor import GpuSample
+    from triton_embed_monitor import GpuSample
 
     return GpuSample(timestamp, gpu, "NVIDIA H200", f"GPU-{gpu}", util, util / 3, 9 << 30, 141 << 30, 1980.0, 250.0,
                      40.0, ((1234, 8 << 30),))  # fmt: skip
@@ -171,8 +178,8 @@ def recorded_gpu_sample(timestamp: float, gpu: int, util: float):
 @pytest.fixture(scope="module")
 def monitor_exporter():
     """The monitor's real exporter fed with recorded samples (this machine has no GPU): GPU 1 saturated."""
-    from triton_embed.monitor import FlagThresholds, QueueSample
-    from triton_embed.monitor.exporter import MonitorExporter
+    from triton_embed_monitor import FlagThresholds, QueueSample
+    from triton_embed_monitor.exporter import MonitorExporter
 
     exporter = MonitorExporter(FlagThresholds(idle_window_s=2.0, saturation_window_s=2.0))
     start = time.time() - 5
@@ -297,7 +304,7 @@ def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
     """Names: a real scrape of the compose-command server plus the monitor's exporter. Data: Prometheus answers."""
     import secrets
 
-    from triton_embed.monitor.exporter import metric_names
+    from triton_embed_monitor.exporter import metric_names
 
     with EmbeddingClient(url=compose_server.grpc_url, protocol="grpc") as client:
         for i in range(3):  # traffic in two bursts a few scrapes apart, so rate() has an increase to show
@@ -323,56 +330,56 @@ def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
         wait_for(answered, timeout_s=20, what=f"data for panel {title!r}: {expr}")
 
 
-def test_compose_stop_drains_in_flight_requests(tmp_path, sts_dev):
-    """`docker compose stop` sends the entrypoint SIGTERM. Ten requests of 64 long texts at once, SIGTERM 0.3 s later:
-    Triton alone refused those whose encoder step had not started ("Server is stopping"), so the entrypoint drains
-    the ensemble first (drain.py), then stops tritonserver and exits with its status. (A server of its own: the
-    module's has had stubs killed, after which Triton 2.51's stop waits out its exit timeout and exits 1.)"""
-    with compose_server_running(tmp_path) as server:
-        entrypoint = server.process
-        requests = drained_requests(sts_dev, per_request=64)
-        sent_before_signal, answers = load_across_a_signal(
-            server.grpc_url, requests, threads=10, signal_after_s=0.3,
-            send_signal=lambda: entrypoint.send_signal(signal.SIGTERM),
-        )  # fmt: skip
-        assert entrypoint.wait(timeout=75) == 0, server.log_tail()
-        lost = [n for n in sent_before_signal if not isinstance(answers.get(n), np.ndarray)]
-        assert sent_before_signal and not lost, f"{len(lost)} of {len(sent_before_signal)} lost: {answers[lost[0]]!r}"
+def test_compose_stop_drains_requests_still_waiting_for_their_first_step(tmp_path, reference):
+    """`docker compose stop` sends the entrypoint SIGTERM while eight requests wait in the tokenizer's queue (configs
+    whose tokenizer holds them; Triton's metrics show all eight there, none answered). Their encoder step is still
+    ahead, which Triton's own stop refuses ("Server is stopping"), so the entrypoint drains the ensemble first
+    (drain.py), then stops tritonserver and exits with its status: each request gets its embedding."""
+    configs = held_repository(tmp_path / "configs")
+    with compose_server_running(tmp_path / "compose", configs=configs) as server:
+        requests = held_requests()
+        answers = held_requests_across_a_signal(
+            server.grpc_url, server.metrics_url, requests, lambda: server.process.send_signal(signal.SIGTERM)
+        )
+        assert server.process.wait(timeout=75) == 0, server.log_tail()
         assert "triton-embed: 'embed' drained in" in server.log.read_text(errors="replace"), server.log_tail()
         assert not process_alive(server.server_pid)
+    lost = [a for a in answers if not isinstance(a, np.ndarray)]
+    assert not lost, f"{len(lost)} of {len(requests)} lost: {lost[0]!r}"
+    for texts, served in zip(requests, answers, strict=True):
+        np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
 
 
-# Last in this module: it kills the compose server's stubs (the watchdog brings them back).
 @pytest.mark.parametrize("model", ["tokenizer", "encoder"])
-def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(compose_server, reference, model):
+def test_compose_watchdog_reloads_a_model_whose_stub_was_killed(tmp_path, reference, model):
     """Triton 2.51 leaves a killed stub dead (requests fail, the model stays READY); the entrypoint's watchdog reloads
     it through the locked repository API, without restarting tritonserver."""
-    assert compose_server.watchdog_pid, f"the entrypoint started no stub watchdog:\n{compose_server.log_tail()}"
-    server_pid = compose_server.server_pid
-    stubs = [pid for pid, name in stub_processes(server_pid).items() if name == model]
-    assert stubs, stub_processes(server_pid)
-    reloads_before = compose_server.log.read_text().count(f"model '{model}' reloaded")
-    os.kill(stubs[0], signal.SIGKILL)
+    with compose_server_running(tmp_path) as server:
+        assert server.watchdog_pid, f"the entrypoint started no stub watchdog:\n{server.log_tail()}"
+        stubs = [pid for pid, name in stub_processes(server.server_pid).items() if name == model]
+        assert stubs, stub_processes(server.server_pid)
+        os.kill(stubs[0], signal.SIGKILL)
 
-    text = f"served by the compose server after its {model} stub died"
-    served, _ = embed_until_answered(compose_server.grpc_url, text, within_s=30, note=compose_server.log_tail)
-    np.testing.assert_allclose(served, reference_embed(reference, [text]), atol=1e-5)
-    assert compose_server.process.poll() is None and process_alive(server_pid)
-    assert compose_server.log.read_text().count(f"model '{model}' reloaded") == reloads_before + 1
-    assert stubs[0] not in stub_processes(server_pid) and model in stub_processes(server_pid).values()
+        text = f"served by the compose server after its {model} stub died"
+        served, _ = embed_until_answered(server.grpc_url, text, within_s=30, note=server.log_tail)
+        np.testing.assert_allclose(served, reference_embed(reference, [text]), atol=1e-5)
+        assert server.process.poll() is None and process_alive(server.server_pid)
+        assert re.findall(r"model '(\w+)' reloaded", server.log.read_text()) == [model], server.log_tail()
+        assert stubs[0] not in stub_processes(server.server_pid)
+        assert model in stub_processes(server.server_pid).values()
 
 
-# After the watchdog tests: it kills the compose server's encoder again, then stops the server.
-def test_compose_stop_after_a_stub_died_with_a_request_in_it_is_quick_and_clean(compose_server):
-    """Triton 2.51 never finishes unloading an instance whose stub died with a request in it, so its own stop waited
-    out the 30 s exit timeout and exited 1 (a failed `docker compose stop`); the entrypoint's watchdog kills it once
+def test_compose_stop_after_a_stub_died_with_a_request_in_it_is_quick_and_clean(tmp_path):
+    """Triton 2.51 never finishes unloading an instance whose stub died with a request in it, so its own stop waits
+    out the 30 s exit timeout and exits 1 (a failed `docker compose stop`); the entrypoint's watchdog kills it once
     every live stub has exited, and the entrypoint exits 0."""
-    assert kill_stub_mid_request(compose_server.grpc_url, compose_server.server_pid, "encoder").retries >= 1
-    started = time.monotonic()
-    compose_server.process.send_signal(signal.SIGTERM)  # `docker compose stop`
-    code = compose_server.process.wait(timeout=75)
-    took = time.monotonic() - started
-    log = compose_server.log.read_text(errors="replace")
-    assert "Exit timeout expired" not in log and code == 0, compose_server.log_tail()
-    assert "has unloaded every model but the one whose stub died" in log, compose_server.log_tail()
-    assert took < 20, f"the stop took {took:.0f} s (Triton's exit timeout is 30 s)"
+    with compose_server_running(tmp_path) as server:
+        assert kill_stub_mid_request(server.grpc_url, server.server_pid, "encoder").retries >= 1
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)  # `docker compose stop`
+        code = server.process.wait(timeout=75)
+        took = time.monotonic() - started
+        log = server.log.read_text(errors="replace")
+        assert "Exit timeout expired" not in log and code == 0, server.log_tail()
+        assert "has unloaded every model but the one whose stub died" in log, server.log_tail()
+        assert took < 20, f"the stop took {took:.0f} s (Triton's exit timeout is 30 s)"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from triton_embed import EmbeddingClient, ServerUnavailableError
-from triton_embed.monitor import GpuMonitor, pending_requests
+from triton_embed_monitor import GpuMonitor, pending_requests
 
 SCRIPT = Path(sys.executable).parent / "triton-embed-monitor"
 
@@ -18,7 +18,7 @@ SCRIPT = Path(sys.executable).parent / "triton-embed-monitor"
 @pytest.mark.parametrize(
     "command",
     [
-        [sys.executable, "-m", "triton_embed.monitor"],
+        [sys.executable, "-m", "triton_embed_monitor"],
         [str(SCRIPT)],
         [str(SCRIPT), "--once"],
         [str(SCRIPT), "--triton-metrics-url", "http://127.0.0.1:9/metrics", "--port", "0"],

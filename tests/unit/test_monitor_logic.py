@@ -13,7 +13,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from triton_embed.monitor import (
+from triton_embed_monitor import (
     IDLE_WITH_QUEUE,
     NOT_REPORTED,
     SATURATED,
@@ -27,8 +27,8 @@ from triton_embed.monitor import (
     read_gpus,
     saturation_episodes,
 )
-from triton_embed.monitor.exporter import MonitorExporter, metric_names
-from triton_embed.monitor.flags import queue_at
+from triton_embed_monitor.exporter import MonitorExporter, metric_names
+from triton_embed_monitor.flags import queue_at
 
 T0 = 1_700_000_000.0
 
@@ -310,7 +310,7 @@ def test_exporter_forgets_samples_older_than_its_windows():
 
 def test_cli_serves_metrics_with_a_gpu(monkeypatch, capsys):
     """The CLI's serving path, with recorded NVML answers standing in for the driver."""
-    from triton_embed.monitor import cli, sampling
+    from triton_embed_monitor import cli, sampling
     from triton_embed_server.embedded import free_port
 
     nvml = FakeNvml([97.0])

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from triton_embed.monitor import Episode, GpuSample
 from triton_embed.server_stats import StepStats
+from triton_embed_monitor import Episode, GpuSample
 
 from loadtest import report
 from loadtest.gate import Sample, SlaSpec, evaluate

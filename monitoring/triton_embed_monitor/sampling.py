@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from triton_embed.monitor.triton_queue import QueueSample, pending_requests
+from triton_embed_monitor.triton_queue import QueueSample, pending_requests
 
 NOT_REPORTED = -1
 """Process memory value when NVML cannot tell (``usedGpuMemory`` unavailable, e.g. without permission or MIG)."""

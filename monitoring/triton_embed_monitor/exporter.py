@@ -30,9 +30,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from triton_embed.monitor.flags import IDLE_WITH_QUEUE, SATURATED, FlagThresholds, active_flags
-from triton_embed.monitor.sampling import NOT_REPORTED, GpuMonitor, GpuSample
-from triton_embed.monitor.triton_queue import QueueSample
+from triton_embed_monitor.flags import IDLE_WITH_QUEUE, SATURATED, FlagThresholds, active_flags
+from triton_embed_monitor.sampling import NOT_REPORTED, GpuMonitor, GpuSample
+from triton_embed_monitor.triton_queue import QueueSample
 
 PREFIX = "triton_embed_"
 

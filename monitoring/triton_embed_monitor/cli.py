@@ -1,4 +1,4 @@
-"""``triton-embed-monitor`` (``python -m triton_embed.monitor``): GPU metrics and flags on a Prometheus endpoint.
+"""``triton-embed-monitor`` (``python -m triton_embed_monitor``): GPU metrics and flags on a Prometheus endpoint.
 
     triton-embed-monitor --triton-metrics-url http://127.0.0.1:8002/metrics     # serves :9455/metrics
     triton-embed-monitor --once                                                  # one JSON line per GPU, exit
@@ -15,9 +15,9 @@ import sys
 import time
 from dataclasses import asdict
 
-from triton_embed.monitor.flags import IDLE_WITH_QUEUE, FlagThresholds
-from triton_embed.monitor.sampling import GpuMonitor, GpuSample
-from triton_embed.monitor.triton_queue import QueueSample
+from triton_embed_monitor.flags import IDLE_WITH_QUEUE, FlagThresholds
+from triton_embed_monitor.sampling import GpuMonitor, GpuSample
+from triton_embed_monitor.triton_queue import QueueSample
 
 DEFAULT_PORT = 9455
 """The monitor's metrics port (Triton uses 8000-8002, Prometheus 9090, Grafana 3000, DCGM exporter 9400)."""
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         monitor.stop()
         return 0
 
-    from triton_embed.monitor.exporter import MonitorExporter  # needs prometheus-client, only for serving
+    from triton_embed_monitor.exporter import MonitorExporter  # needs prometheus-client, only for serving
 
     exporter = MonitorExporter(thresholds, queue_model=queue_model, monitor=monitor)
 

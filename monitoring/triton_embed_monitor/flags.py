@@ -18,8 +18,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from triton_embed.monitor.sampling import GpuSample
-from triton_embed.monitor.triton_queue import QueueSample
+from triton_embed_monitor.sampling import GpuSample
+from triton_embed_monitor.triton_queue import QueueSample
 
 IDLE_WITH_QUEUE = "idle_with_queue"
 SATURATED = "saturated"

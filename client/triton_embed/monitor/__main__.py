@@ -1,8 +1,0 @@
-"""``python -m triton_embed.monitor``: see :mod:`triton_embed.monitor.cli`."""
-
-import sys
-
-from triton_embed.monitor.cli import main
-
-if __name__ == "__main__":
-    sys.exit(main())
