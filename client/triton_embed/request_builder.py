@@ -1,0 +1,112 @@
+"""Inference requests for the ensemble: the ``TEXT`` input and ``EMBEDDING`` output, by network or shared memory."""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import serialize_byte_tensor
+
+from triton_embed.errors import EmbeddingError
+from triton_embed.inputs import Embeddings
+from triton_embed.settings import Settings
+from triton_embed.shm import Region, output_offset
+
+INPUT = "TEXT"
+OUTPUT = "EMBEDDING"
+
+
+def text_tensor(texts: list[str]) -> npt.NDArray[np.object_]:
+    """``[N, 1]`` object array of UTF-8 bytes: the layout of the ensemble's ``TEXT`` input."""
+    return np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_)
+
+
+def serialized_bytes(texts: list[str]) -> int:
+    """Size of the serialized ``TEXT`` tensor: a 4-byte length before each UTF-8 string (Triton's BYTES layout)."""
+    return sum(4 + len(t.encode("utf-8")) for t in texts)
+
+
+class RequestBuilder:
+    """Builds ``infer`` arguments for one protocol, with or without shared memory, and reads the answer."""
+
+    def __init__(self, settings: Settings, module: ModuleType) -> None:
+        """``module`` is ``tritonclient.grpc`` or ``tritonclient.http`` (their aio variants share the classes)."""
+        self.settings = settings
+        self.module = module
+        self.http = settings.protocol == "http"
+
+    def infer_kwargs(self, bulk: bool = False) -> dict[str, Any]:
+        """Keyword arguments for tritonclient's ``infer``.
+
+        The request parameter ``latency_budget_ms`` (how long this request may wait in the encoder's queue
+        before the encoder refuses it, ms): the client's setting when it has one; else ``0`` (never
+        refused) for a ``bulk`` request, one chunk of a call split into several; else none (the server's
+        ``LATENCY_BUDGET_MS``, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
+        one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
+        budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores.
+        """
+        kwargs: dict[str, Any] = {}  # the gRPC deadline is every call's: the clients' ``_call`` adds it
+        budget = self.settings.latency_budget_ms
+        if budget is None and bulk:
+            budget = 0
+        parameters: dict[str, float | bool] = {} if budget is None else {"latency_budget_ms": budget}
+        if self.settings.truncate is not None:
+            parameters["truncate"] = self.settings.truncate
+        if parameters:
+            kwargs["parameters"] = parameters
+        return kwargs
+
+    def build(self, texts: list[str], dim: int, region: Region | None = None) -> tuple[list[Any], list[Any], int]:
+        """Return ``(inputs, outputs, sent_bytes)``; with ``region`` the tensors travel through shared memory."""
+        data = text_tensor(texts)
+        tensor = self.module.InferInput(INPUT, list(data.shape), "BYTES")
+        output = (
+            self.module.InferRequestedOutput(OUTPUT, binary_data=self.settings.binary)
+            if self.http
+            else self.module.InferRequestedOutput(OUTPUT)
+        )
+        if region is not None:
+            serialized = serialize_byte_tensor(data)
+            in_bytes = len(serialized.item())
+            shm.set_shared_memory_region(region.handle, [serialized])
+            tensor.set_shared_memory(region.name, in_bytes)
+            output.set_shared_memory(region.name, len(texts) * dim * 4, offset=output_offset(in_bytes))
+        elif self.http:
+            tensor.set_data_from_numpy(data, binary_data=self.settings.binary)
+        else:
+            tensor.set_data_from_numpy(data)
+        sent = 0
+        if self.http:
+            body, _ = self.module.InferenceServerClient.generate_request_body([tensor], outputs=[output])
+            sent = len(body)
+        return [tensor], [output], sent
+
+    @staticmethod
+    def region_bytes(texts: list[str], dim: int) -> int:
+        """Bytes a shared memory region needs for these texts and their embeddings."""
+        return output_offset(serialized_bytes(texts)) + len(texts) * dim * 4
+
+    def read(self, result: Any, texts: list[str], dim: int, region: Region | None = None) -> tuple[Embeddings, int]:
+        """Return ``((len(texts), dim) float32, received_bytes)`` from an ``InferResult``.
+
+        Raises:
+            EmbeddingError: the server answered with another row count.
+        """
+        n = len(texts)
+        if region is not None:
+            offset = output_offset(serialized_bytes(texts))
+            array = np.array(shm.get_contents_as_numpy(region.handle, np.float32, [n, dim], offset=offset))
+        else:
+            array = result.as_numpy(OUTPUT)
+        if array is None or array.shape != (n, dim):
+            got = None if array is None else list(array.shape)
+            raise EmbeddingError(f"model '{self.settings.model}' returned {got} for {n} texts; expected [{n}, {dim}]")
+        received = 0
+        if self.http:
+            header = len(json.dumps(result.get_response(), separators=(",", ":")))
+            received = header + (array.nbytes if self.settings.binary and region is None else 0)
+        return array.astype(np.float32, copy=False), received

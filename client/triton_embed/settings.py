@@ -1,0 +1,119 @@
+"""Client settings: the url and protocol (from arguments, the environment or defaults) and their checks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+URL_ENV = "TRITON_EMBED_URL"
+PROTOCOL_ENV = "TRITON_EMBED_PROTOCOL"
+
+
+def normalise_url(url: str) -> str:
+    """Return ``url`` as the ``host:port`` tritonclient wants.
+
+    Drops a scheme (``http://``, ``grpc://``) and a trailing ``/``; a bare ``:port`` means ``127.0.0.1:port``.
+
+    Raises:
+        ValueError: no port, e.g. ``"localhost"``.
+    """
+    host_port = url.strip().split("://", 1)[-1].rstrip("/")
+    if host_port.startswith(":"):
+        host_port = "127.0.0.1" + host_port
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"url must be host:port (e.g. 127.0.0.1:8001); got {url!r}")
+    return host_port
+
+
+def url_protocol(url: str) -> str | None:
+    """The protocol a url's scheme names: ``"http"`` for ``http://``, ``"grpc"`` for ``grpc://``, None without one.
+
+    Raises:
+        ValueError: another scheme (``https://``: TLS is not supported by this client).
+    """
+    scheme, sep, _ = url.strip().partition("://")
+    if not sep:
+        return None
+    if scheme.lower() not in ("http", "grpc"):
+        raise ValueError(f"url scheme must be http:// or grpc:// (or none); got {url!r}")
+    return scheme.lower()
+
+
+MAX_BUDGET_MS = 3_600_000.0
+"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/torchscript/overload.py)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Client settings; see :class:`triton_embed.EmbeddingClient` for their meaning."""
+
+    url: str
+    protocol: str
+    model: str
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    binary: bool
+    use_shared_memory: bool
+    coalesce: bool
+    max_concurrency: int
+    headers: dict[str, str] | None
+    latency_budget_ms: float | None = None
+    truncate: bool | None = None
+
+    @classmethod
+    def make(cls, *, url: str | None, protocol: str | None, **kwargs: Any) -> Settings:
+        """Fill ``url``/``protocol`` from ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL`` or the defaults.
+
+        Raises:
+            ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency/latency budget
+                out of range.
+        """
+        url_given = bool(url)
+        url = url or os.environ.get(URL_ENV)
+        scheme = url_protocol(url) if url else None
+        if protocol and scheme and protocol.lower() != scheme:
+            raise ValueError(f"protocol {protocol!r} contradicts the url's scheme: {url!r}")
+        from_env = os.environ.get(PROTOCOL_ENV)
+        # a url passed in picks its protocol over the environment's; two environment settings must agree
+        if not protocol and not url_given and scheme and from_env and from_env.lower() != scheme:
+            raise ValueError(f"${PROTOCOL_ENV}={from_env!r} contradicts the url's scheme: {url!r}")
+        protocol = (protocol or scheme or from_env or "grpc").lower()
+        if protocol not in DEFAULT_URLS:
+            raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
+        url = normalise_url(url or DEFAULT_URLS[protocol])
+        settings = cls(url=url, protocol=protocol, **kwargs)
+        budget = settings.latency_budget_ms
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= MAX_BUDGET_MS
+        ):
+            raise ValueError(
+                f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); "
+                f"got {budget!r}"
+            )
+        if not isinstance(settings.binary, bool):
+            raise ValueError(f"binary must be True or False; got {settings.binary!r}")
+        headers = settings.headers
+        strings = isinstance(headers, dict) and all(isinstance(x, str) for kv in headers.items() for x in kv)
+        if headers is not None and not strings:
+            raise ValueError(f"headers must be a dict of str to str; got {headers!r}")
+        if settings.truncate is not None and not isinstance(settings.truncate, bool):
+            raise ValueError(f"truncate must be True, False or None; got {settings.truncate!r}")
+        if settings.timeout_s <= 0 or settings.retries < 0 or settings.max_concurrency < 1 or settings.backoff_s < 0:
+            raise ValueError(
+                f"need timeout_s > 0, retries >= 0, max_concurrency >= 1, backoff_s >= 0; got {settings.timeout_s}, "
+                f"{settings.retries}, {settings.max_concurrency}, {settings.backoff_s}"
+            )
+        return replace(settings, headers=copied(headers))  # the caller's dict stays the caller's
+
+
+def copied(headers: dict[str, str] | None) -> dict[str, str] | None:
+    """A fresh copy of ``headers`` for one call.
+
+    tritonclient's HTTP client adds ``Inference-Header-Content-Length`` to the dict it is given; a dict used again
+    would carry it into the next JSON or shared-memory request.
+    """
+    return dict(headers) if headers else None
