@@ -1,17 +1,17 @@
 """Tokenize long texts from their head only, when that gives the same truncated ids as the whole text.
 
 A text over ``max_seq_length`` tokens is truncated, so the tokens past the cut never reach the encoder; but the
-Hugging Face tokenizer still normalizes and splits the whole text, and builds every overflowing window of it.
-On 2 CPU cores one request of 64 texts of 60 KB took the tokenizer 3.0 s (1.5 s in-process), and every short
-request behind it in the tokenizer's single queue waited as long. The first :data:`HEAD_CHARS` characters hold far
-more than 256 tokens of any ordinary text, and tokenize in a few ms.
+Hugging Face tokenizer still normalizes and splits the whole text, and builds every overflowing window of it, while
+every short request waits behind it in the tokenizer's single queue (docs/benchmarks.md, "Long texts beside short
+requests"). The first :data:`HEAD_CHARS` characters hold far more than 256 tokens of any ordinary text, and tokenize
+in a few ms.
 
 When the head gives the same ids: WordPiece (BERT and the like) maps each word on its own, and a word longer than
 ``max_input_chars_per_word`` (100) to one ``[UNK]``, so cutting the text can change only the tokens of the word
 that the cut splits, all within the last ``max_input_chars_per_word`` characters of the head. If the head still
 overflows (more tokens than fit) and every token kept ends :func:`margin_chars` characters before the cut, the
 kept ids are the whole text's. Otherwise, and for other tokenizer models (BPE, Unigram), the whole text is
-tokenized, as before.
+tokenized.
 
 Pure Python on ``tokenizers`` (no Triton): tests/unit/test_long_texts.py checks the ids against the whole text's.
 """

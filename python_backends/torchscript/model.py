@@ -281,7 +281,7 @@ class _BucketMetrics:
     def close(self) -> None:
         """Keep every metric and family alive for good, then drop this instance's references.
 
-        Releasing them deleted the reloaded instance's metrics (``metric_lifetime.py``).
+        Releasing them would delete the reloaded instance's metrics (``metric_lifetime.py``).
         """
         keep(*self._by_bucket.values(), self._real_metric, self._padded_metric, self._shed_metric)
         keep(self._executions, self._real, self._padded, self._shed)

@@ -17,8 +17,8 @@ import torch
 from buckets import Bucket, GraphSettings, plan_chunks
 
 CHUNK_OVERHEAD_TOKENS = 32
-"""Cost of one more execution, in padded tokens: a (1, 16) run of the MiniLM module takes ~3 ms on this 2-core
-CPU where each extra token costs ~0.1-0.17 ms, so a launch is worth ~16-32 tokens (docs/benchmarks.md)."""
+"""Cost of one more execution, in padded tokens: a launch costs what ~16-32 tokens do on 2 CPU cores
+(docs/benchmarks.md, "Queue delay, chunks and threads")."""
 
 OVERFLOW = "overflow"
 """Stats label of batches above the largest bucket (run eagerly at their exact shape)."""
@@ -82,8 +82,8 @@ class BucketedRunner:
     * Eager path (CPU, graphs off, or no bucket): the batch is padded to its bucket's *length* only; padding rows
       would cost compute linearly and buys nothing without a graph. Above the largest bucket the batch runs at its
       exact shape and is counted under ``OVERFLOW``. The module runs with TorchScript's graph optimizer off
-      (``torch.jit.optimized_execution(False)``): with it, the first call at each new shape took up to 96 ms
-      instead of 39 ms (60 random shapes, 2 threads), a p99 spike, for ~2% faster steady-state calls.
+      (``torch.jit.optimized_execution(False)``): with it, the first call at each new shape is a p99 spike, for ~2%
+      faster later calls (docs/benchmarks.md, "TorchScript graph optimizer").
 
     Padding positions hold id 0 and mask 0, which leaves every real row's embedding unchanged.
     """

@@ -1,12 +1,11 @@
 """Graceful drain before shutdown: unload the ``embed`` ensemble, let its requests in flight finish, then stop.
 
-A Triton 2.51 workaround (docs/troubleshooting.md, "Triton 2.51 defects").
-Triton 2.51's shutdown (SIGINT/SIGTERM) stops every model's scheduler at once, the ensemble's second step
-included, so a request whose encoder step was not yet scheduled was refused with ``Server is stopping`` (2 of 6
-requests of 64 texts, sent ~1 s before the signal). Unloading the ensemble first, through
-the repository API, refuses new requests (Triton answers ``... has no available versions``, which the client
-treats as unavailable) and keeps the tokenizer and encoder loaded until every request already in the ensemble
-has its answer; the readiness endpoint turns false at once, so a load balancer stops sending.
+A Triton 2.51 workaround (docs/troubleshooting.md, "Triton 2.51 defects"): Triton 2.51's shutdown (SIGINT/SIGTERM)
+stops every model's scheduler at once, the ensemble's second step included, so a request whose encoder step has not
+started is refused with ``Server is stopping``. Unloading the ensemble first, through the repository API, refuses
+new requests (Triton answers ``... has no available versions``, which the client treats as unavailable) and keeps
+the tokenizer and encoder loaded until every request already in the ensemble has its answer; the readiness endpoint
+turns false at once, so a load balancer stops sending.
 
 Run as a script (``python3 drain.py --http-port 8000 --admin-header H``, key in ``TRITON_EMBED_ADMIN_KEY``; stdlib
 only, Python >= 3.10) it is the compose deployment's drain: docker/triton-entrypoint.sh runs it on SIGTERM.

@@ -47,8 +47,7 @@ class StopFlag:
 
     Not a ``threading.Event``: a Python signal handler runs in the main thread between two bytecodes, possibly
     while that thread is inside ``Event.wait()`` holding the Event's lock, and ``Event.set()`` in the handler then
-    waits for that lock forever (``make serve`` hung on Ctrl-C about once in 20 stops, the handler blocked on that
-    lock; tests/unit/test_stop_flag.py forces the moment).
+    waits for that lock forever: Ctrl-C would hang ``make serve`` (tests/unit/test_stop_flag.py forces the moment).
     """
 
     def __init__(self) -> None:
@@ -120,7 +119,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # The child must get SIGTERM when its parent dies (no orphan servers). util-linux's setpriv sets that before it
 # execs tritonserver; without it, a preexec_fn calls prctl, resolved here, before any fork: loading a library in
-# a forked child of a threaded process can deadlock (seen: a test hung in Popen while gRPC threads ran).
+# a forked child of a threaded process can deadlock (Popen hangs while gRPC threads run).
 _SETPRIV = shutil.which("setpriv")
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
@@ -170,8 +169,8 @@ def kill_leftovers(pgid: int, timeout_s: float = 5.0) -> list[int]:
 
     tritonserver runs in its own session, so its process group (``pgid``, its PID) holds it and its Python backend
     stubs. A stub exits by itself once its server is gone, but not while it is stuck (in a long execution, or
-    stopped): one left by a tritonserver that had to be SIGKILLed kept running under PID 1 after a CI run (its
-    memory and 1 MiB region in /dev/shm with it). Waits up to ``timeout_s`` seconds for them to go.
+    stopped): one left by a SIGKILLed tritonserver keeps running under PID 1, with its memory and its 1 MiB region
+    in /dev/shm. Waits up to ``timeout_s`` seconds for them to go.
     """
     left = group_members(pgid)
     if not left:

@@ -63,7 +63,7 @@ def describe(st_model, model_path: Path) -> dict:
     pooling = st_model[1].get_config_dict().get("pooling_mode")
     if pooling not in ("mean", "cls"):
         raise ValueError(f"{model_path}: pooling_mode {pooling!r} is not supported; supported: mean, cls")
-    # sentence-transformers 6 renamed get_sentence_embedding_dimension to get_embedding_dimension.
+    # get_embedding_dimension in sentence-transformers >= 6, get_sentence_embedding_dimension before it.
     get_dim = getattr(st_model, "get_embedding_dimension", None) or st_model.get_sentence_embedding_dimension
     return {
         "transformer_path": model_path / modules[0]["path"],

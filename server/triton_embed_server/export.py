@@ -28,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MAX_ABS_DIFF = 1e-5
-"""Largest allowed |served - sentence-transformers| per embedding component (the issue's acceptance bound)."""
+"""Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
 MANIFEST_NAME = "export.json"
 SUPPORTED_POOLING = ("mean", "cls")
 
@@ -270,7 +270,7 @@ def chosen_model(requested: str | None, repository: Path) -> tuple[Path, str]:
 
     ``requested``: a folder, ``"default"`` (the packaged all-MiniLM-L6-v2), or None: the model this repository holds
     (its manifest's source, when that folder is still there), else the packaged one. So ``make serve`` after
-    ``make model MODEL=...`` serves that model; it used to export the default again, silently.
+    ``make model MODEL=...`` serves that model.
     """
     if requested and requested != "default":
         return Path(requested).resolve(), ""  # the packaged model need not be installed

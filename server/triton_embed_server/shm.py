@@ -4,9 +4,8 @@ A Triton 2.51 workaround (docs/troubleshooting.md, "Triton 2.51 defects").
 Triton 2.51's Python backend gives each stub a region of ``shm-default-byte-size`` (1 MiB by default), the file
 ``/dev/shm/triton_<backend>_backend_shm_region_<uuid>``, and unlinks it when the model instance unloads normally.
 A stub that is killed (out of memory, SIGKILL) leaves its region behind, even after the watchdog has reloaded the
-model, and a killed ``tritonserver`` leaves all of them: measured 1 region per killed stub, ~10 (10 MiB) per
-``make test``, 326 on a development machine after a day. :class:`EmbeddedServer` removes, when it stops, the
-regions that appeared while it ran and that no live process maps any more.
+model, and a killed ``tritonserver`` leaves all of them. :class:`EmbeddedServer` removes, when it stops, the
+regions that appeared while it ran and that no live process maps.
 """
 
 from __future__ import annotations

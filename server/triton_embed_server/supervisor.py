@@ -2,17 +2,17 @@
 
 A Triton 2.51 workaround, as is :func:`finish_stop` (docs/troubleshooting.md, "Triton 2.51 defects").
 Triton 2.51's Python backend does not restart a stub that was killed (out of memory, SIGKILL): the model stays
-READY while every request fails with "Stub process '<instance>' is not healthy" (seen on this project's
-machines). The watchdog polls the server's child processes once a second, every 0.25 s from the server's start
-until it is ready; when a stub has died, it reloads that model through the model repository API (``POST
-/v2/repository/models/<m>/load`` with the model's current config plus a fresh ``TRITON_EMBED_RELOAD`` parameter
-as override, which forces a new load while the old instance keeps answering), using the admin header. A stub that
-died before any look saw it (within 0.25 s of its own start) is a dead stub child it does not know: once the
-server is ready, the models with fewer live stubs than instances are reloaded (:meth:`StubWatchdog._short_of_stubs`).
+READY while every request fails with "Stub process '<instance>' is not healthy". The watchdog polls the server's
+child processes once a second, every 0.25 s from the server's start until it is ready; when a stub has died, it
+reloads that model through the model repository API (``POST /v2/repository/models/<m>/load`` with the model's
+current config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old
+instance keeps answering), using the admin header. A stub that dies before any look sees it (within 0.25 s of its
+own start) is a dead stub child it does not know: once the server is ready, the models with fewer live stubs than
+instances are reloaded (:meth:`StubWatchdog._short_of_stubs`).
 
 "Died" means the stub is a zombie child of ``tritonserver``: Triton 2.51 does not reap a stub that crashed, while
 one that Triton stops itself (an unload, an operator's reload, the watchdog's own reload, shutdown) is reaped at
-once and simply vanishes. Counting every vanished stub as dead made each reload set off the next one.
+once and simply vanishes; it is not counted as dead, or each reload would set off the next one.
 
 Run as a script (``python3 supervisor.py --server-pid PID``, stdlib only, Python >= 3.10) it is the compose
 deployment's watchdog: docker/triton-entrypoint.sh starts it beside ``tritonserver`` in the container, and runs
@@ -260,8 +260,7 @@ class StubWatchdog:
             if self._stop.is_set() or not self._reload(model):
                 failed |= {pid: m for pid, m in dead.items() if m == model}
         # A stub that died after crashed_stubs looked is a zombie now, which stub_processes leaves out: keep it. Looked
-        # for after stub_processes, so that one dying while /proc is scanned is in one or the other (a CI run lost an
-        # encoder killed right after the tokenizer's reload: it was never reloaded).
+        # for after stub_processes, so that one dying while /proc is scanned is in one or the other, and reloaded.
         alive = stub_processes(self.server_pid)
         late = {
             pid: m
