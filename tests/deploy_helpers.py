@@ -176,18 +176,21 @@ def embedding_widths(repository: Path) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def compose_server_running(tmp: Path, model: Path | None = None) -> Iterator[ComposeServer]:
+def compose_server_running(
+    tmp: Path, model: Path | None = None, configs: Path = ROOT / "model_repository"
+) -> Iterator[ComposeServer]:
     """Sync the model repository as the model-export service does, start tritonserver with the compose command line.
 
     The command line is docker-compose's resolution of the `triton` service's ``command`` with ENCODER_CONFIG=cpu,
     run through docker/triton-entrypoint.sh with the CPU build of the same Triton; only the model repository path,
-    the backend and cache folders (the image's defaults) and loopback ports differ. ``model``: as with MODEL set.
+    the backend and cache folders (the image's defaults) and loopback ports differ. ``model``: as with MODEL set;
+    ``configs``: the host's model configs the sync copies (default: this checkout's).
     """
     from triton_embed_server.embedded import _spawn_args
     from triton_embed_server.layout import DEFAULT_BUILD_DIR, assemble_backends, find_layout
     from triton_embed_server.shm import backend_regions, remove_orphans
 
-    models, sync = sync_model_repository(tmp, model=model)
+    models, sync = sync_model_repository(tmp, configs=configs, model=model)
     assert sync.returncode == 0, sync.stderr
     # ENCODER_CONFIG=cpu: there is no configs/cpu.pbtxt, so Triton falls back to each model's config.pbtxt (the
     # CPU configs); gpu and libtorch need a GPU / the libtorch backend, which the CPU build lacks.

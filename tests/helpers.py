@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -52,7 +54,8 @@ def infer(
         client.close()
 
 
-def _read_counts(grpc_url: str, model: str) -> tuple[int, int]:
+def read_counts(grpc_url: str, model: str) -> tuple[int, int]:
+    """(inference_count, execution_count) of ``model`` from Triton's statistics API, read once, now."""
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
         stats = client.get_inference_statistics(model_name=model, as_json=True)["model_stats"][0]
@@ -65,11 +68,11 @@ def counts(grpc_url: str, model: str, quiet_s: float = 0.3, timeout_s: float = 5
     """(inference_count, execution_count) of ``model`` from Triton's statistics API, once two reads ``quiet_s``
     apart agree: Triton records a request's statistics when it releases the request, which can be just after the
     client has its response."""
-    last = _read_counts(grpc_url, model)
+    last = read_counts(grpc_url, model)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(quiet_s)
-        now = _read_counts(grpc_url, model)
+        now = read_counts(grpc_url, model)
         if now == last:
             break
         last = now
@@ -164,47 +167,75 @@ def embed_until_answered(grpc_url: str, text: str, within_s: float = 30.0, note=
     pytest.fail(f"no answer within {within_s:.0f} s; last error {failures[-1]!r}\n{note()}")
 
 
-def load_across_a_signal(url: str, requests: list[list[str]], threads: int, signal_after_s: float, send_signal):
-    """Send ``requests`` from ``threads`` closed-loop clients; ``signal_after_s`` seconds in, stop sending and call
-    ``send_signal()``. Returns ``(numbers of the requests sent before the signal, {number: embedding or error})``.
+HOLD_S = 3.0
+"""How long the tokenizer of :func:`held_repository` holds each request before it runs, seconds."""
 
-    Budget 0 and no retries: nothing is refused for load or resent, so every error is the shutdown's.
+
+def held_repository(dst: Path, hold_s: float = HOLD_S) -> Path:
+    """The shipped model repository at ``dst`` (artifacts linked, response cache off) whose tokenizer holds every
+    request ``hold_s`` seconds before it runs (its dynamic batcher's ``max_queue_delay_microseconds``; requests of
+    64 texts fill a batch and run at once), so that a test can see requests waiting for their first step."""
+    from bench.run import variant_repository
+
+    repo = variant_repository(dst, None)
+    config = repo / "tokenizer" / "config.pbtxt"
+    text, n = re.subn(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {int(hold_s * 1e6)}",
+                      config.read_text())  # fmt: skip
+    assert n == 1, f"{config}: expected one max_queue_delay_microseconds, found {n}"
+    config.write_text(text)
+    return repo
+
+
+def pending(metrics_url: str, model: str) -> int:
+    """Requests waiting in ``model``'s queue now (Triton's ``nv_inference_pending_request_count``)."""
+    rows = scrape(metrics_url)
+    return int(sum(v for k, v in rows.items() if k.startswith(f'nv_inference_pending_request_count{{model="{model}"')))
+
+
+def held_requests() -> list[list[str]]:
+    """Eight new requests of 1-3 texts (15 in all: under one tokenizer batch of 64, so the tokenizer holds them all)."""
+    import secrets
+
+    tag = secrets.token_hex(4)
+    return [[f"held request {n} text {k} {tag}" for k in range(n % 3 + 1)] for n in range(8)]
+
+
+def held_requests_across_a_signal(
+    grpc_url: str, metrics_url: str, requests: list[list[str]], send_signal
+) -> list[np.ndarray | Exception]:
+    """Send ``requests`` at once to a :func:`held_repository` server (no retries, budget 0: nothing is refused for
+    load or resent, so every error is the shutdown's); once Triton's metrics show every one of them waiting in the
+    tokenizer's queue and none is answered, call ``send_signal()``. Returns each request's embedding or error.
+
+    A request still waiting for the tokenizer has its encoder step ahead of it: Triton's own stop refuses that step
+    ("Server is stopping"); only a drain lets it through.
     """
     from triton_embed import EmbeddingClient
 
-    sent_before_signal: list[int] = []
-    answers: dict[int, object] = {}
-    stopping = threading.Event()
+    answers: dict[int, np.ndarray | Exception] = {}
 
-    def worker(i: int) -> None:
-        with EmbeddingClient(url=url, retries=0, timeout_s=30, latency_budget_ms=0) as client:
-            for n in range(i, len(requests), threads):
-                if stopping.is_set():
-                    return
-                sent_before_signal.append(n)  # stopping is set before the signal: this one is sent before it
-                try:
-                    answers[n] = client.embed(requests[n])
-                except Exception as exc:  # noqa: BLE001 - the caller checks
-                    answers[n] = exc
+    def send(n: int) -> None:
+        with EmbeddingClient(url=grpc_url, retries=0, timeout_s=60, latency_budget_ms=0) as client:
+            try:
+                answers[n] = client.embed(requests[n])
+            except Exception as exc:  # noqa: BLE001 - returned to the caller, which checks them
+                answers[n] = exc
 
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in workers:
+    assert pending(metrics_url, "tokenizer") == 0, "the tokenizer's queue must be empty before the requests"
+    senders = [threading.Thread(target=send, args=(n,)) for n in range(len(requests))]
+    for t in senders:
         t.start()
-    time.sleep(signal_after_s)
-    stopping.set()
+    deadline = time.monotonic() + 30
+    while (waiting := pending(metrics_url, "tokenizer")) < len(requests):
+        assert not answers, f"answered before all {len(requests)} waited in the tokenizer's queue: {answers}"
+        assert time.monotonic() < deadline, f"{waiting} of {len(requests)} requests reached the tokenizer's queue"
+        time.sleep(0.02)
+    assert not answers, f"answered while the tokenizer held them: {answers}"
     send_signal()
-    for t in workers:
-        t.join(timeout=60)
-    return sent_before_signal, answers
-
-
-def drained_requests(sts_pairs, per_request: int, count: int = 400) -> list[list[str]]:
-    """``count`` unique requests of ``per_request`` texts: one STS-B sentence each, or four (~60-80 tokens) for
-    multi-text requests, so that a drain has real work in flight."""
-    words = 1 if per_request == 1 else 4
-    sentences = [" ".join(p.a for p in sts_pairs[i : i + words]) for i in range(count)]
-    return [[f"{sentences[(n * per_request + k) % count]} drained {n}.{k}" for k in range(per_request)]
-            for n in range(count)]  # fmt: skip
+    for t in senders:
+        t.join(timeout=120)
+    assert len(answers) == len(requests), f"{len(requests) - len(answers)} requests got no answer within 120 s"
+    return [answers[n] for n in range(len(requests))]
 
 
 def kill_stub_mid_request(grpc_url: str, server_pid: int, model: str = "encoder"):
@@ -234,3 +265,84 @@ def kill_stub_mid_request(grpc_url: str, server_pid: int, model: str = "encoder"
         assert not sender.is_alive(), "the retrying client got no answers within 120 s"
         assert not failures, failures
         return client.stats()
+
+
+class ServeRun:
+    """A running ``python -m triton_embed_server serve`` whose output (tritonserver's too) goes to ``log``."""
+
+    def __init__(self, proc, ports: list[str], log: Path) -> None:
+        self.proc, self.ports, self.log = proc, ports, log
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports[1]}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.output()[-chars:]
+
+    def server_pids(self) -> list[int]:
+        """Every tritonserver it reported starting, first to last."""
+        return [int(p) for p in re.findall(r"(?:starting tritonserver|tritonserver restarted) \(pid (\d+)\)",
+                                           self.output())]  # fmt: skip
+
+    @property
+    def server_pid(self) -> int:
+        return self.server_pids()[0]
+
+    def wait_for(self, text: str, timeout_s: float = 240.0) -> str:
+        """Wait until ``text`` is in the output; fail with its tail if serve exits or ``timeout_s`` passes first."""
+        import pytest
+
+        deadline = time.monotonic() + timeout_s
+        while text not in (out := self.output()):
+            if self.proc.poll() is not None and text not in self.output():
+                pytest.fail(f"serve exited with {self.proc.returncode} before {text!r}:\n{out[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {text!r} from serve within {timeout_s:.0f} s:\n{out[-3000:]}")
+            time.sleep(0.05)
+        return self.output()
+
+
+@contextlib.contextmanager
+def serve_running(log: Path, *args: str, new_session: bool = False, wait_ready: bool = True):
+    """``python -m triton_embed_server serve`` on free loopback ports with ``args``, its output in the file ``log``
+    (a pipe nobody reads fills up and blocks tritonserver's writes); ready (its banner printed) unless
+    ``wait_ready`` is False. Afterwards, whatever happened, serve and every tritonserver it started are gone.
+
+    ``new_session``: its own process group, as a terminal runs it (a Ctrl-C test signals the whole group).
+    """
+    import subprocess
+    import sys
+
+    from triton_embed_server.embedded import free_port
+
+    ports = [str(free_port()) for _ in range(3)]
+    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
+           "--metrics-port", ports[2], *args]  # fmt: skip
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(  # noqa: S603 - our own module
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=new_session
+        )
+    run = ServeRun(proc, ports, log)
+    try:
+        if wait_ready:
+            run.wait_for("Ctrl-C stops it")
+        yield run
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        _kill_tritonservers(run.server_pids())
+
+
+def _kill_tritonservers(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that is still a live tritonserver, with its process group (its stubs)."""
+    from triton_embed_server.supervisor import process_alive
+
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if process_alive(pid) and Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver":
+                os.killpg(pid, signal.SIGKILL)
