@@ -6,13 +6,13 @@ reaches no package registry. This puts beside the working tree (``.build/`` is g
 
 * ``wheels/``: nvidia-pytriton 0.7.0 (tritonserver 2.51, the Python backend, the local cache) and nvidia-ml-py
   13.615.71 (the GPU monitor). The pytriton wheel is pruned to fit the device tool's 64 MiB (build tag ``1``): only
-  the Python 3.12 backend stub is kept, and the copy of libpython 3.13 that only the 3.13 stub links goes (55 -> ~38
-  MB). Installed there with ``pip install --no-deps``: pytriton's own dependencies (tritonclient, gevent) serve its
-  client, which the embedded server never imports (``layout.find_layout`` reads its files only).
+  the Python 3.12 backend stub is kept, and the copy of libpython 3.13 that only the 3.13 stub links goes (~38 MB
+  instead of 55). Installed there with ``pip install --no-deps``: pytriton's own dependencies (tritonclient,
+  gevent) serve its client, which the embedded server never imports (``layout.find_layout`` reads its files only).
 * ``stub-wheels/``: numpy 1.26.4 for the Python backend stubs alone (``gpu_check.py --stub-path``),
   a Triton 2.51 workaround (docs/troubleshooting.md): the stub reads BYTES inputs wrongly under numpy 2
-  (the tokenizer step fails on every text: rehearsed with Python 3.12 and numpy 2.5.2), and the GPU machine
-  has numpy 2; the check itself keeps the machine's numpy.
+  (the tokenizer step fails on every text under Python 3.12 and numpy 2.5.2), and the GPU machine has numpy 2;
+  the check itself keeps the machine's numpy.
 * ``minilm/``: all-MiniLM-L6-v2's config, tokenizer and pooling files (~0.7 MB), copied from the packaged model;
   the check builds random weights for that architecture there.
 

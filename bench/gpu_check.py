@@ -1,6 +1,7 @@
 """GPU check of the real artifact: export, graph replay vs eager and CPU, served ensemble vs in-process, GPU monitor.
 
-One run on a CUDA machine (under 5 minutes on an H200; every phase has a time limit, the whole run 9 minutes):
+One run on a CUDA machine (expected under 5 minutes on an H200; every phase has a time limit, the whole run 9
+minutes):
 
 1. builds a sentence-transformers folder of all-MiniLM-L6-v2's architecture with random weights (config and tokenizer
    files from ``make gpu-carry``; the trained weights do not travel, and speed does not depend on them) and exports
@@ -28,7 +29,7 @@ may travel); then the device tool's ``run`` with carry ``[".build/gpu-carry"]``,
 
     set -o pipefail; I='python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target'; $I /tmp/site .build/gpu-carry/wheels/*.whl && $I /tmp/stub-site .build/gpu-carry/stub-wheels/*.whl || exit 1; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; timeout 570 python3 -m bench.gpu_check --carry .build/gpu-carry --stub-path /tmp/stub-site --out $OUT 2>&1 | tee $OUT/gpu_check.log
 
-``--dry-run`` rehearses every step here on the CPU in ~2 minutes: the same export, the runner eager on
+``--dry-run`` runs every step here on the CPU in ~2 minutes: the same export, the runner eager on
 the CPU, tritonserver on the CPU with the default config, a small grid and short levels (tests/test_gpu_check.py).
 """  # noqa: E501 - the device command is one line
 

@@ -1,6 +1,6 @@
 """The steps of ``bench/gpu_check.py``: model folder, export, runner checks, in-process speed, served sweep.
 
-Each step takes what the earlier ones made and returns a JSON-ready dict; ``gpu_check.py`` runs them in order under
+Each step takes what the steps before it made and returns a JSON-ready dict; ``gpu_check.py`` runs them in order under
 time limits and writes the report. torch and the project's server code are imported inside the steps, after the
 script has checked their versions.
 """

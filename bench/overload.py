@@ -176,7 +176,7 @@ async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float,
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
-    """Run every part against one server; print the figures and the ratios the issue's points ask for."""
+    """Run every part against one server; print the figures with their ratios to the best throughput and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,2,4,8,16,24,32,48,64")
     parser.add_argument("--loops", default="64,256", help="no-backoff client counts")

@@ -131,7 +131,7 @@ def variant_repository(
         latency_budget_ms: when set, the encoder's ``LATENCY_BUDGET_MS`` (0 turns load shedding off).
 
     Raises:
-        ValueError: the shipped encoder config no longer holds a value this function rewrites.
+        ValueError: the shipped encoder config lacks a value this function rewrites.
     """
     src = ROOT / "model_repository"
     shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "export.json"))

@@ -55,12 +55,12 @@ def sts_rows(path: Path) -> list[list[str]]:
 class Deck:
     """The corpus's distinct texts in a random order, dealt one at a time without repeats until all are dealt.
 
-    Drawing single texts at random with replacement repeats them: in a 60 s run (~9,600 one-text requests from STS-B's
-    13,227 distinct sentences) about a third of the requests were response-cache hits, which measured the cache,
-    not the model. Dealt from a deck, a one-text request repeats a text only after the whole corpus has been dealt
-    (then the deck is shuffled again). One deck per Locust process (gevent: no locks needed). The order follows from
-    ``seed`` alone, so a later run (a capacity search's next step) continues where an earlier one stopped by
-    starting at its ``dealt``.
+    Drawing single texts at random with replacement repeats them, and a third or more of a run's requests are then
+    response-cache hits, which measure the cache, not the model (docs/benchmarks.md, "Response-cache hits"). Dealt
+    from a deck, a one-text request repeats a text only after the whole corpus has been dealt (then the deck is
+    shuffled again). One deck per Locust process (gevent: no locks needed). The order follows from ``seed`` alone,
+    so a later run (a capacity search's next step) continues where an earlier one stopped by starting at its
+    ``dealt``.
 
     Attributes:
         texts: the distinct texts, in corpus order of first appearance.

@@ -23,7 +23,7 @@ class Sample:
         response_ms: client-side latency, milliseconds.
         name: Locust's request name (``"embed x1"``); request_type: ``grpc`` or ``http``.
         failed: the call raised.
-        error: the exception's class and message when it failed (first 300 characters), else "".
+        error: the exception's class and message when it failed (first :data:`MAX_ERROR_CHARS` characters), else "".
     """
 
     start_s: float
@@ -36,7 +36,7 @@ class Sample:
 
 MAX_ERROR_CHARS = 1000
 """Longest error message kept per failed request, characters: the server's overload messages run to ~550 and end
-with the knobs to turn (300 cut them mid-word)."""
+with the knobs to turn."""
 
 
 class Recorder:

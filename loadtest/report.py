@@ -126,8 +126,9 @@ def build(
 
     ``count_check`` compares Locust's requests over the whole run with the ensemble's successes plus failures in
     Triton's statistics over the same run: they must agree (within 1%) for the stage breakdown to describe the
-    requests the gate judged. Triton 2.51 counts every failed ensemble request twice (seen: one HTTP 400 adds 2 to
-    ``fail`` and to ``nv_inference_request_failure``; 28,209 refusals showed 56,418), so its failures are halved.
+    requests the gate judged. Triton 2.51 counts every failed ensemble request twice in ``fail`` and
+    ``nv_inference_request_failure`` (docs/troubleshooting.md), so its failures are divided by
+    :data:`TRITON_FAILURE_COUNTS`.
     """
     embed = steps_run.get("embed")
     triton_requests = embed.requests + embed.failures // TRITON_FAILURE_COUNTS if embed else None
