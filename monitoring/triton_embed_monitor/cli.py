@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         monitor.stop()
         return 1
     # a plain list, not a threading.Event: a handler that interrupts Event.wait() while it holds the Event's lock
-    # would wait for that lock forever (seen in `make serve`; triton_embed_server.embedded.StopFlag)
+    # would wait for that lock forever (see triton_embed_server.embedded.StopFlag)
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda n, _: stop.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
     names = ", ".join(f"{s.index}: {s.name}" for s in monitor.sample_once())
