@@ -63,12 +63,13 @@ def test_compose_file_is_valid(profile):
     assert bad.returncode != 0 and "shm_size" in bad.stderr
 
 
-def test_plain_up_starts_triton_alone_and_the_profile_adds_the_monitoring_stack():
+def test_plain_up_starts_triton_and_the_gateway_and_the_profile_adds_the_monitoring_stack():
     services = resolved()["services"]
     profiles = {name: tuple(s.get("profiles", ())) for name, s in services.items()}
     assert profiles == {
         "model-export": (),
         "triton": (),
+        "gateway": (),
         "gpu-monitor": ("monitoring",),
         "prometheus": ("monitoring",),
         "grafana": ("monitoring",),
@@ -76,6 +77,14 @@ def test_plain_up_starts_triton_alone_and_the_profile_adds_the_monitoring_stack(
     for name, service in services.items():
         if not profiles[name]:  # `docker compose up` fails if a default service depends on a profiled one
             assert all(not profiles[dep] for dep in service.get("depends_on", {})), name
+
+
+def test_gateway_service_talks_grpc_to_triton_once_it_is_healthy():
+    gateway = resolved()["services"]["gateway"]
+    assert gateway["build"]["target"] == "gateway"
+    assert "--triton=triton:8001" in gateway["command"] and "--host=0.0.0.0" in gateway["command"]
+    assert gateway["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    assert gateway["ports"] == ["127.0.0.1:8080:8080/tcp"]  # this machine only, as Triton's ports
 
 
 def test_triton_service():
@@ -352,8 +361,13 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
 def test_the_monitor_image_install_carries_the_monitor(tmp_path):
     """The monitor image runs `pip install .[monitor]`: the built wheel must hold the package and its script."""
     for name in (
-        "pyproject.toml", "README.md", "client", "server", "python_backends/triton_embed_protocol",
+        "pyproject.toml",
+        "README.md",
+        "client",
+        "server",
+        "python_backends/triton_embed_protocol",
         "monitoring/triton_embed_monitor",
+        "gateway/triton_embed_gateway",
     ):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)

@@ -10,7 +10,8 @@ Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]``
 that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0, and ``queued_ns``, int64
 ``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue (one clock for
 every process on the host), from which the encoder's overload control counts each request's wait
-(python_backends/torchscript/overload.py). A bad request (missing input, wrong shape, no texts, a text over
+(python_backends/torchscript/overload.py), and ``token_count``, int64 ``[n_texts, 1]``: each text's tokens after
+truncation (the ensemble's ``TOKEN_COUNT``, for usage accounting). A bad request (missing input, wrong shape, no texts, a text over
 ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a text over max_seq_length tokens when truncation is off) gets its
 own INVALID_ARG error; the others still succeed.
 
@@ -43,7 +44,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from long_texts import encode_heads, margin_chars
 from tokenizers import Tokenizer
-from triton_embed_protocol import QUEUED, TEXT, TOKENS, RequestError, request_parameters
+from triton_embed_protocol import QUEUED, TEXT, TOKEN_COUNT, TOKENS, RequestError, request_parameters
 
 
 def decode_texts(tensor, max_bytes: int) -> list[str]:
@@ -192,6 +193,7 @@ class TritonPythonModel:
                 continue
             ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
             queued = pb_utils.Tensor(QUEUED, np.full((len(encs), 1), queued_ns, dtype=np.int64))
-            tensors = [pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued]
+            counts = pb_utils.Tensor(TOKEN_COUNT, mask.sum(axis=1, keepdims=True))
+            tensors = [pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued, counts]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses

@@ -14,6 +14,10 @@ TEXT = "TEXT"
 TOKENS = ("input_ids", "attention_mask")
 """Tensors from the tokenizer to the encoder, int64 ``[n_texts, T]``: token ids and the mask (1 = real token)."""
 
+TOKEN_COUNT = "token_count"
+"""Tensor from the tokenizer, the ensemble's ``TOKEN_COUNT``, int64 ``[n_texts, 1]``: tokens the encoder sees per text
+(special tokens included, after truncation), for usage accounting."""
+
 QUEUED = "queued_ns"
 """Tensor from the tokenizer to the encoder, int64 ``[n_texts, 1]``: ``time.monotonic_ns()`` as the tokenizer hands
 the request on to the encoder's queue (one clock for every process on the host)."""

@@ -1,0 +1,62 @@
+"""``triton-embed-gateway`` (``python -m triton_embed_gateway``): the embeddings HTTP API in front of one Triton."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import uvicorn
+
+from triton_embed_gateway.app import DEFAULT_PAYLOAD_LIMIT, GatewaySettings, build_app
+from triton_embed_gateway.protocol import DEFAULT_MAX_INPUTS
+from triton_embed_gateway.triton import TritonEmbedder
+
+API_KEY_ENV = "TRITON_EMBED_API_KEY"
+DEFAULT_PORT = 8080
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options."""
+    p = argparse.ArgumentParser(prog="triton-embed-gateway", description=__doc__)
+    p.add_argument("--triton", default="127.0.0.1:8001", help="Triton's gRPC host:port (default %(default)s)")
+    p.add_argument("--model", default="embed", help="the ensemble's name (default %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="id answered in 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
+    p.add_argument(
+        "--api-key", default=None, help=f"Bearer key the embedding routes need (default: ${API_KEY_ENV}, else none)"
+    )
+    p.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT, help="largest body, bytes")
+    p.add_argument("--max-inputs", type=int, default=DEFAULT_MAX_INPUTS, help="most texts per API request")
+    p.add_argument("--timeout", type=float, default=30.0, help="deadline of each Triton request, seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM. Returns the exit status (2 for a bad option)."""
+    args = parser().parse_args(argv)
+    for name in ("payload_limit", "max_inputs", "timeout"):
+        if getattr(args, name) <= 0:
+            print(
+                f"triton-embed-gateway: --{name.replace('_', '-')} must be > 0; got {getattr(args, name)}",
+                file=sys.stderr,
+            )
+            return 2
+    settings = GatewaySettings(
+        served_model=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        payload_limit=args.payload_limit,
+        max_inputs=args.max_inputs,
+    )
+    app = build_app(TritonEmbedder(args.triton, args.model, args.timeout), settings)
+    print(
+        f"triton-embed-gateway: http://{args.host}:{args.port}/v1/embeddings -> grpc://{args.triton} ({args.model})",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The HTTP routes: OpenAI's and TEI's embeddings APIs, models, health, readiness and metrics, on Starlette.
+
+``POST /v1/embeddings`` and ``POST /embed`` need the API key when one is set (``Authorization: Bearer <key>``);
+``/health``, ``/ready``, ``/metrics`` and ``/v1/models`` do not, so probes and scrapers need no secret. Every
+response carries ``X-Request-Id`` (the caller's, else a new one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from triton_embed_gateway.protocol import (
+    DEFAULT_MAX_INPUTS,
+    ApiError,
+    Counts,
+    EmbedRequest,
+    Vectors,
+    invalid,
+    openai_request,
+    openai_response,
+    tei_request,
+)
+from triton_embed_gateway.triton import TritonEmbedder
+
+DEFAULT_PAYLOAD_LIMIT = 2_000_000
+"""Largest request body, bytes (TEI's default): 2,048 texts of ~1 KB."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """How the gateway answers.
+
+    ``served_model``: the id answered in ``model`` and ``/v1/models``; ``api_key``: None = no key needed;
+    ``payload_limit``: bytes; ``max_inputs``: texts per API request.
+    """
+
+    served_model: str = "embed"
+    api_key: str | None = None
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT
+    max_inputs: int = DEFAULT_MAX_INPUTS
+
+
+class Metrics:
+    """The gateway's own Prometheus metrics, named and counted as Triton's are (counters, microseconds)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["route", "code"]
+        self.requests = Counter(
+            "triton_embed_gateway_request", "API requests answered, by route and HTTP status", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.duration_us = Counter(
+            "triton_embed_gateway_request_duration_us", "Time to answer API requests, microseconds", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "triton_embed_gateway_request_seconds", "Time to answer one API request, seconds", ["route"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5), registry=self.registry,
+        )  # fmt: skip
+        self.texts = Counter("triton_embed_gateway_texts", "Texts embedded", registry=self.registry)
+        self.tokens = Counter(
+            "triton_embed_gateway_tokens", "Tokens embedded (after truncation)", registry=self.registry
+        )
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """``body`` as JSON (orjson; NumPy arrays as lists)."""
+    content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(content, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(error: ApiError) -> Response:
+    """``error`` in OpenAI's shape, with ``Retry-After`` on a 503."""
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return json_response(error.body(), error.status, headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body.
+
+    Raises:
+        ApiError: 413 for a body over ``limit`` bytes (read no further), 400 for one that is not JSON.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body has {declared} bytes; the limit is {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(
+                413, f"the body has over {limit} bytes; the limit is {limit} bytes", code="request_too_large"
+            )
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid("body", f"the body is not valid JSON: {exc}") from exc
+
+
+def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
+    """The ASGI application answering for ``embedder``'s Triton server.
+
+    The embedder's channel is closed when the application shuts down.
+    """
+    metrics = Metrics()
+
+    def authorised(request: Request) -> bool:
+        if settings.api_key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
+
+    def route(
+        name: str, handler: Callable[[Request], Awaitable[Response]], *, needs_key: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            started = time.perf_counter()
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            try:
+                if needs_key and not authorised(request):
+                    raise ApiError(
+                        401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                    )  # fmt: skip
+                response = await handler(request)
+            except ApiError as error:
+                response = error_response(error)
+            response.headers["X-Request-Id"] = request_id
+            took = time.perf_counter() - started
+            labels = {"route": name, "code": str(response.status_code)}
+            metrics.requests.labels(**labels).inc()
+            metrics.duration_us.labels(**labels).inc(took * 1e6)
+            metrics.latency.labels(route=name).observe(took)
+            return response
+
+        return endpoint
+
+    async def embed(request: EmbedRequest, field: str) -> tuple[Vectors, Counts]:
+        vectors, tokens = await embedder.embed(request.texts, request.truncate, field)
+        metrics.texts.inc(len(request.texts))
+        metrics.tokens.inc(int(tokens.sum()))
+        return vectors, tokens
+
+    async def openai_embeddings(request: Request) -> Response:
+        parsed = openai_request(await read_json(request, settings.payload_limit), settings.max_inputs)
+        vectors, tokens = await embed(parsed, "input")
+        return json_response(openai_response(vectors, tokens, settings.served_model, parsed.encoding_format))
+
+    async def tei_embed(request: Request) -> Response:
+        parsed = tei_request(await read_json(request, settings.payload_limit), settings.max_inputs)
+        vectors, _ = await embed(parsed, "inputs")
+        return json_response(vectors)
+
+    async def models(request: Request) -> Response:
+        info = await embedder.info()
+        model = {
+            "id": settings.served_model, "object": "model", "created": 0, "owned_by": "triton-embed",
+            "dimension": info.dim, "max_batch_size": info.max_batch_size,
+        }  # fmt: skip
+        return json_response({"object": "list", "data": [model]})
+
+    async def health(request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if await embedder.ready():
+            return json_response({"status": "ready"})
+        raise ApiError(
+            503, f"model '{embedder.model}' is not ready at {embedder.url}", code="not_ready", retry_after_s=1
+        )
+
+    async def metrics_page(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/embeddings", route("/v1/embeddings", openai_embeddings, needs_key=True), methods=["POST"]),
+        Route("/embed", route("/embed", tei_embed, needs_key=True), methods=["POST"]),
+        Route("/v1/models", route("/v1/models", models), methods=["GET"]),
+        Route("/health", route("/health", health), methods=["GET"]),
+        Route("/ready", route("/ready", ready), methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
+    ]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        path = f"{request.method} {request.url.path}"
+        return error_response(ApiError(status, f"{path}: {getattr(exc, 'detail', exc)}", code="not_found"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await embedder.close()
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)

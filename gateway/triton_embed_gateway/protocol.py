@@ -1,0 +1,172 @@
+"""The embeddings APIs' request and response shapes: OpenAI's ``POST /v1/embeddings`` and TEI's ``POST /embed``.
+
+Pure functions, no I/O: a JSON body (already parsed) becomes an :class:`EmbedRequest` or an :class:`ApiError`
+that names the field, the limit and the value received; an embedding matrix becomes the response body.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Vectors = npt.NDArray[np.float32]
+"""Embeddings, float32 ``(n, dim)``, rows of unit length."""
+Counts = npt.NDArray[np.int64]
+"""Tokens per text, int64 ``(n,)``."""
+
+DEFAULT_MAX_INPUTS = 2048
+"""Most texts one request may carry, as OpenAI's embeddings endpoint allows."""
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        """OpenAI's error type: ``invalid_request_error`` for a client's fault (4xx), else ``server_error``."""
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        """The response body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """A 400 naming ``param``."""
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """What one API request asks of the service.
+
+    ``texts``: the inputs in order; ``truncate``: False refuses a text over the model's token limit instead of
+    cutting its end; ``encoding_format``: ``float`` or ``base64`` (OpenAI route).
+    """
+
+    texts: list[str]
+    truncate: bool = True
+    encoding_format: str = "float"
+
+
+def _texts(value: Any, field: str, max_inputs: int) -> list[str]:
+    """A string or a non-empty list of strings, at most ``max_inputs`` of them."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise invalid(field, f"'{field}' must be a string or a list of strings; got {type(value).__name__}")
+    if not value:
+        raise invalid(field, f"'{field}' must hold at least 1 text; got an empty list")
+    if len(value) > max_inputs:
+        raise invalid(field, f"'{field}' holds {len(value)} texts; the limit is {max_inputs}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            kind = "token ids" if isinstance(item, int | list) else type(item).__name__
+            raise invalid(
+                f"{field}[{i}]", f"'{field}[{i}]' must be a string; got {kind} (token arrays are not accepted)"
+            )
+    return value
+
+
+def _reject_options(body: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """Refuse fields the service cannot honour yet, naming them (README, Limitations)."""
+    for field in fields:
+        if body.get(field) is not None:
+            raise invalid(field, f"'{field}' is not supported by this server yet; got {body[field]!r}")
+
+
+def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest:
+    """Read an OpenAI embeddings request.
+
+    Fields: ``input`` (str or list of str), ``model`` (any string; the served model answers), ``encoding_format``
+    (``float`` | ``base64``), ``user`` (ignored), ``truncate`` (``END``, the default, or ``NONE``).
+
+    Raises:
+        ApiError: 400 naming the field, the limit and the value.
+    """
+    if not isinstance(body, dict):
+        raise invalid("body", f"the body must be a JSON object; got {type(body).__name__}")
+    if "input" not in body:
+        raise ApiError(400, "'input' is required", param="input", code="missing_field")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", f"'model' must be a string; got {type(model).__name__}")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ENCODING_FORMATS:
+        raise invalid("encoding_format", f"'encoding_format' must be one of {list(ENCODING_FORMATS)}; got {encoding!r}")
+    _reject_options(body, ("dimensions", "input_type"))
+    truncate = body.get("truncate", "END")
+    if truncate not in ("END", "NONE"):
+        raise invalid(
+            "truncate", f"'truncate' must be 'END' or 'NONE' ('START' is not supported yet); got {truncate!r}"
+        )
+    return EmbedRequest(_texts(body["input"], "input", max_inputs), truncate == "END", encoding)
+
+
+def tei_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest:
+    """Read a text-embeddings-inference ``/embed`` request: ``inputs``, ``normalize``, ``truncate``.
+
+    Raises:
+        ApiError: 400 naming the field, the limit and the value.
+    """
+    if not isinstance(body, dict):
+        raise invalid("body", f"the body must be a JSON object; got {type(body).__name__}")
+    if "inputs" not in body:
+        raise ApiError(400, "'inputs' is required", param="inputs", code="missing_field")
+    if body.get("normalize", True) is not True:
+        raise invalid(
+            "normalize", f"'normalize' must be true (the model returns unit vectors); got {body['normalize']!r}"
+        )
+    _reject_options(body, ("prompt_name", "dimensions"))
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise invalid("truncate", f"'truncate' must be true or false; got {truncate!r}")
+    direction = body.get("truncation_direction", "Right")
+    if direction != "Right":
+        raise invalid(
+            "truncation_direction",
+            f"'truncation_direction' must be 'Right' ('Left' is not supported yet); got {direction!r}",
+        )
+    return EmbedRequest(_texts(body["inputs"], "inputs", max_inputs), truncate)
+
+
+def openai_response(vectors: Vectors, token_counts: Counts, model: str, encoding_format: str) -> dict[str, Any]:
+    """OpenAI's response body for ``vectors`` (float32 ``(n, dim)``) and ``token_counts`` (int ``(n,)``).
+
+    ``base64`` encodes each row's little-endian float32 bytes, as OpenAI and TEI do.
+    """
+    rows: list[Any]
+    if encoding_format == "base64":
+        little = vectors.astype("<f4", copy=False)
+        rows = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
+    else:
+        rows = list(vectors)  # float32 rows, which orjson writes as they are
+    tokens = int(token_counts.sum())
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
