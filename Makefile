@@ -12,6 +12,8 @@ HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# The OpenAI/TEI HTTP gateway beside the server (0: none).
+GATEWAY_PORT ?= 8080
 PYTEST_ARGS ?=
 # make loadtest / loadtest-ui / capacity: where the server is and how hard to push (defaults fit a 2-core machine).
 TRITON_HOST ?= 127.0.0.1
@@ -49,7 +51,7 @@ reference-model: install
 
 serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT)
+		--metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT)
 
 # Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server.
 test: reference-model system-deps

@@ -228,3 +228,33 @@ def test_requests_are_counted_on_the_metrics_page(gateway):
     for _ in range(3):
         assert post(f"{gateway}/v1/embeddings", {"input": "counted"})[0] == 200
     assert count() == before + 3
+
+
+def test_serve_starts_the_gateway_beside_tritonserver_and_stops_it(tmp_path):
+    """`make serve` (serve --gateway-port): the banner names the OpenAI route, it answers, Ctrl-C stops both."""
+    import signal
+
+    from triton_embed_server.embedded import free_port
+
+    http, grpc, metrics, port = (str(free_port()) for _ in range(4))
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", http, "--grpc-port", grpc,
+               "--metrics-port", metrics, "--gateway-port", port]  # fmt: skip
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops it." not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert f"OpenAI  http://127.0.0.1:{port}/v1/embeddings" in log.read_text()
+        status, answer, _ = post(f"http://127.0.0.1:{port}/v1/embeddings", {"input": TEXTS[0]})
+        assert status == 200 and len(answer["data"][0]["embedding"]) == 384
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log.read_text()
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -6,8 +6,10 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from triton_embed_server.embedded import (
@@ -31,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=defaults.http_port)
     serve.add_argument("--grpc-port", type=int, default=defaults.grpc_port)
     serve.add_argument("--metrics-port", type=int, default=defaults.metrics_port)
+    serve.add_argument(
+        "--gateway-port", type=int, default=0, help="port of the OpenAI/TEI HTTP gateway beside it (default 0: none)"
+    )
     serve.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     serve.add_argument("--model-config-name", default=None, help="e.g. libtorch (needs the official Triton image)")
     serve.add_argument("--log-verbose", type=int, default=0)
@@ -80,6 +85,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
         return 1
+    gateway = Gateway(server.grpc_url, args.host, args.gateway_port) if args.gateway_port else None
+    if gateway is not None and not gateway.start():
+        return _stop(server, "stopping tritonserver (the gateway did not start) ...")
     key_note = (
         f" = ${ADMIN_KEY_ENV}" if os.environ.get(ADMIN_KEY_ENV) else f" (locked: set {ADMIN_KEY_ENV} to use them)"
     )
@@ -88,6 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         f"  HTTP    http://{server.http_url}   (curl http://{server.http_url}/v2/models/embed)\n"
         f"  gRPC    {server.grpc_url}\n"
         f"  metrics {server.metrics_url}\n"
+        f"{gateway.banner() if gateway else ''}"
         f"Admin APIs (model repository, shared memory, logging, trace) need header '{server.config.admin_header}'"
         f"{key_note}.\n"
         f"{_exposure_note(args.host)}"
@@ -95,10 +104,68 @@ def serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     restarts: list[float] = []
-    while not stop.wait(0.5):
-        if not server.is_alive() and not _restart(server, args, stop, restarts):
-            return 1
+    try:
+        while not stop.wait(0.5):
+            if not server.is_alive() and not _restart(server, args, stop, restarts):
+                return 1
+            if gateway is not None and not gateway.is_alive():
+                print(f"warning: the gateway exited with status {gateway.returncode()}; restarting", file=sys.stderr)
+                gateway.start()
+    finally:
+        if gateway is not None:
+            gateway.stop()
     return _stop(server, "stopping tritonserver ...")
+
+
+class Gateway:
+    """The embeddings HTTP gateway (``python -m triton_embed_gateway``) as a child process, on ``host:port``."""
+
+    def __init__(self, grpc_url: str, host: str, port: int) -> None:
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '', '::') else host}:{port}"  # noqa: S104
+        self._command = [
+            sys.executable, "-m", "triton_embed_gateway", "--triton", grpc_url, "--host", host, "--port", str(port),
+        ]  # fmt: skip
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> bool:
+        """Start it and wait until ``/health`` answers; False (with the reason printed) if it does not."""
+        self._process = subprocess.Popen(self._command)  # noqa: S603 - our own module, our own arguments
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                print(f"error: the gateway exited with status {self._process.returncode}", file=sys.stderr)
+                return False
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=1).close()  # noqa: S310 - http to ourselves
+                return True
+            except OSError:
+                time.sleep(0.1)
+        print(f"error: the gateway did not answer on {self.url} within {timeout_s:.0f} s", file=sys.stderr)
+        self.stop()
+        return False
+
+    def banner(self) -> str:
+        """Its line in the ready banner."""
+        return f"  OpenAI  {self.url}/v1/embeddings   (TEI: {self.url}/embed)\n"
+
+    def is_alive(self) -> bool:
+        """Whether the process runs."""
+        return self._process is not None and self._process.poll() is None
+
+    def returncode(self) -> int | None:
+        """Its exit status, None while it runs."""
+        return None if self._process is None else self._process.poll()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self._process is None or self._process.poll() is not None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 def _exposure_note(host: str) -> str:
