@@ -5,7 +5,9 @@
 """
 
 from triton_embed.aio import AsyncEmbeddingClient
-from triton_embed.client import EmbeddingClient, Health
+from triton_embed.client import EmbeddingClient
+from triton_embed.client_stats import ClientStats
+from triton_embed.core import Health
 from triton_embed.errors import (
     EmbeddingError,
     EmbeddingTimeoutError,
@@ -14,7 +16,6 @@ from triton_embed.errors import (
     ServerUnavailableError,
 )
 from triton_embed.server_stats import StepStats
-from triton_embed.transport import ClientStats
 
 __all__ = [
     "AsyncEmbeddingClient",

@@ -1,4 +1,4 @@
-"""Synchronous embedding client over Triton's gRPC or HTTP protocol."""
+"""Synchronous embedding client over Triton's gRPC or HTTP protocol: the I/O of :mod:`triton_embed.core`, blocking."""
 
 from __future__ import annotations
 
@@ -6,69 +6,25 @@ import importlib
 import os
 import threading
 import time
-import weakref
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from triton_embed import server_stats
-from triton_embed.base import ClientBase
 from triton_embed.coalesce import Coalescer
-from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton, note_request_row
+from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim
+from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
-from triton_embed.shm import Region, ShmPool
-from triton_embed.transport import (
-    backoff,
-    copied,
-    max_batch_and_dim,
-    normalise_url,
-    retryable,
-)
+from triton_embed.settings import normalise_url
 
 __all__ = ["EmbeddingClient", "Health", "normalise_url"]
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Health:
-    """``live``: the server answers; ``ready``: all its models loaded; ``model_ready``: this client's model.
-
-    ``error``: why the server could not be asked ("" when it answered), e.g. the wrong port for the protocol.
-    """
-
-    live: bool
-    ready: bool
-    model_ready: bool
-    error: str = ""
-
-
-def _protocol_module(protocol: str) -> ModuleType:
-    """``tritonclient.grpc`` or ``tritonclient.http``, imported on first use."""
-    return importlib.import_module(f"tritonclient.{protocol}")
-
-
-def close_pool_at_exit(pool: ShmPool, protocol: str, url: str, headers: dict[str, str] | None) -> None:
-    """Interpreter-exit cleanup of a client (sync or asyncio) that was never closed.
-
-    Unregisters its regions with the client's headers (the shared-memory API is behind the admin header) and
-    destroys them.
-    """
-    if pool.closed:
-        return
-    client = _protocol_module(protocol).InferenceServerClient(url)
-    try:
-        pool.close(lambda name: client.unregister_system_shared_memory(name, headers=copied(headers)), timeout_s=5.0)
-    finally:
-        client.close()
-
-
-class EmbeddingClient(ClientBase):
+class EmbeddingClient(ClientCore):
     """Embed texts with the triton-embed ``embed`` ensemble, from one thread or many.
 
     Example::
@@ -82,7 +38,7 @@ class EmbeddingClient(ClientBase):
     """
 
     def _protocol_module(self, protocol: str) -> ModuleType:
-        return _protocol_module(protocol)
+        return importlib.import_module(f"tritonclient.{protocol}")
 
     def _setup(self) -> None:
         self._coalescer = Coalescer() if self.settings.coalesce else None
@@ -97,13 +53,17 @@ class EmbeddingClient(ClientBase):
         self._executor: ThreadPoolExecutor | None = None
         self._calls = 0  # embed() calls in progress, which close() waits for
         self._closing = False
-        self._idle = threading.Condition()
-        self._shm: ShmPool | None = None
-        if self.settings.use_shared_memory:
-            self._shm = ShmPool()
-            self._finalizer = weakref.finalize(
-                self, close_pool_at_exit, self._shm, self.settings.protocol, self.url, self.settings.headers
-            )
+        self._idle = threading.Condition()  # notified when an embed() call ends
+        self._shm = self._open_shared_memory()
+
+    def _own_process(self) -> None:
+        """After ``os.fork()``, start the child's own per-process state (the parent's stays the parent's)."""
+        if os.getpid() != self._pid:
+            if self.protocol == "http":
+                import gevent  # tritonclient.http runs on geventhttpclient: its event loop must be rebuilt
+
+                gevent.reinit()
+            self._reset_for_process()
 
     # -- public properties --------------------------------------------------------------------------------------------
     @property
@@ -116,16 +76,11 @@ class EmbeddingClient(ClientBase):
         """Embedding width (the model's ``EMBEDDING`` dims, read once from the server), e.g. 384."""
         return max_batch_and_dim(self._model_config())[1]
 
-    # -- connections ------------------------------------------------------------------------------------------
+    # -- I/O ----------------------------------------------------------------------------------------------------------
     def _conn(self) -> Any:
         if self._closed:
             raise self._closed_error()
-        if os.getpid() != self._pid:
-            if self.protocol == "http":
-                import gevent  # tritonclient.http runs on geventhttpclient: its event loop must be rebuilt
-
-                gevent.reinit()
-            self._reset_for_process()
+        self._own_process()
         client = getattr(self._local, "client", None)
         if client is None:
             if self.protocol == "grpc":
@@ -138,34 +93,41 @@ class EmbeddingClient(ClientBase):
                 self._connections.append(client)
         return client
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a tritonclient method; map its errors to ours.
+    def _run(self, steps: Steps[T]) -> T:
+        """Run an operation of the core in this thread: perform each step it yields, hand back what came of it."""
+        self._own_process()  # before the operation touches per-process state (e.g. takes a shared memory region)
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                result: T = stop.value
+                return result
+            value, error = None, None
+            try:
+                if isinstance(step, Call):
+                    value = self._perform(step)
+                elif isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                else:
+                    value = step.fn(*step.args)
+            except BaseException as exc:  # the operation decides: retry, give up shared memory, or raise it
+                error = exc
 
-        Over gRPC every call gets ``timeout_s`` as its deadline: without one, a config fetch or a health check
-        against a port that accepts connections but never answers waited ~20 s for gRPC's handshake, whatever
-        ``timeout_s`` said; HTTP's connection has the timeout already.
-        """
-        if self.protocol == "grpc":
-            kwargs.setdefault("client_timeout", self.settings.timeout_s)
+    def _perform(self, call: Call) -> Any:
+        """Call the tritonclient method on this thread's connection; map its errors to ours."""
         try:
-            return getattr(self._conn(), method)(*args, headers=copied(self.settings.headers), **kwargs)
+            return getattr(self._conn(), call.method)(*call.args, **call.kwargs)
         except EmbeddingError:
             raise
         except Exception as exc:
             raise from_triton(exc, model=self.model, url=self.url) from exc
 
     def _model_config(self) -> dict[str, Any]:
-        if self._config is None:
-            if self.protocol == "grpc":
-                config: dict[str, Any] = self._retrying(self._call, "get_model_config", self.model, as_json=True)[
-                    "config"
-                ]
-            else:
-                config = self._retrying(self._call, "get_model_config", self.model)
-            self._config = config
-        return self._config
+        return self._run(self._get_model_config())
 
-    # -- embedding --------------------------------------------------------------------------------------------
+    # -- embedding ----------------------------------------------------------------------------------------------------
     def embed(self, texts: TextsLike) -> Embeddings:
         """Embed texts; row ``i`` belongs to text ``i``.
 
@@ -210,67 +172,16 @@ class EmbeddingClient(ClientBase):
         return float(np.dot(vectors[0], vectors[1]))
 
     def _embed_chunks(self, items: list[str]) -> Embeddings:
-        step, dim = max_batch_and_dim(self._model_config())
-        chunks = [items[i : i + step] for i in range(0, len(items), step)]
+        chunks, dim = self._run(self._chunked(items))
         if len(chunks) == 1:
-            return self._infer_with_retries(chunks[0], dim)
+            return self._run(self._infer(chunks[0], dim))
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="triton-embed")
             executor = self._executor
-        return np.concatenate(list(executor.map(lambda c: self._infer_with_retries(c, dim, True), chunks)))
+        return np.concatenate(list(executor.map(lambda c: self._run(self._infer(c, dim, True)), chunks)))
 
-    def _infer_with_retries(self, texts: list[str], dim: int, bulk: bool = False) -> Embeddings:
-        return self._retrying(self._infer_once, texts, dim, bulk)
-
-    def _retrying(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """``fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
-        for attempt in range(self.settings.retries + 1):
-            try:
-                return fn(*args, **kwargs)
-            except EmbeddingError as exc:
-                if not retryable(exc) or attempt == self.settings.retries:
-                    self._counters.add(errors=1)
-                    raise
-                self._counters.add(retries=1)
-                time.sleep(backoff(attempt, self.settings.backoff_s))
-        raise AssertionError("unreachable")
-
-    def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> Embeddings:
-        client = self._conn()
-        pool, region = self._acquire_region(client, texts, dim)
-        try:
-            inputs, outputs, sent = self._builder.build(texts, dim, region)
-            try:
-                result = self._call("infer", self.model, inputs, outputs=outputs, **self._builder.infer_kwargs(bulk))
-            except InvalidInputError as exc:
-                note_request_row(exc, texts)
-                raise
-            array, received = self._builder.read(result, texts, dim, region)
-            array = array.copy() if region is not None else array
-        finally:
-            if pool is not None and region is not None:
-                pool.release(region)
-        self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
-        return array
-
-    def _acquire_region(self, client: Any, texts: list[str], dim: int) -> tuple[ShmPool | None, Region | None]:
-        """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
-        pool, region = self._take_region(texts, dim)
-        if pool is None or region is None or region.registered:
-            return pool, region
-        try:
-            client.register_system_shared_memory(
-                region.name, region.key, region.byte_size, headers=copied(self.settings.headers)
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure means: use the network instead
-            self._give_up_shared_memory(pool, region, exc)
-            pool.close(lambda name: None, timeout_s=5.0)
-            return None, None
-        region.registered = True
-        return pool, region
-
-    # -- health and statistics --------------------------------------------------------------------------------
+    # -- health and statistics ----------------------------------------------------------------------------------------
     def health(self) -> Health:
         """Server liveness/readiness and this model's readiness; an unreachable server gives all False.
 
@@ -280,31 +191,13 @@ class EmbeddingClient(ClientBase):
         Raises:
             EmbeddingError: the client is closed (a closed client cannot tell; it is not the server's state).
         """
-        self._check_open()
-        try:
-            # Triton's metrics port answers 200 to any path, with an empty body: the metadata tells them apart
-            self._call("get_server_metadata")
-            return Health(
-                live=bool(self._call("is_server_live")),
-                ready=bool(self._call("is_server_ready")),
-                model_ready=bool(self._call("is_model_ready", self.model)),
-            )
-        except EmbeddingError as exc:
-            return Health(False, False, False, error=str(exc))
+        return self._run(self._health())
 
     def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API (since server start)."""
-        self._check_open()
-        rows = []
-        for name in models:
-            if self.protocol == "grpc":
-                raw = self._call("get_inference_statistics", name, as_json=True)
-            else:
-                raw = self._call("get_inference_statistics", name)
-            rows.append(server_stats.parse(raw["model_stats"][0]))
-        return rows
+        return self._run(self._server_stats(models))
 
-    # -- lifecycle --------------------------------------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for in-flight requests, unregister shared memory, close connections. Idempotent.
 
@@ -318,11 +211,8 @@ class EmbeddingClient(ClientBase):
             self._idle.wait_for(lambda: self._calls == 0, timeout=self._longest_call_s())
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self._shm is not None and os.getpid() == self._pid:
-            self._shm.close(
-                lambda name: self._conn().unregister_system_shared_memory(name, headers=copied(self.settings.headers))
-            )
-            self._finalizer.detach()
+        if os.getpid() == self._pid:  # a forked child leaves the parent's regions to the parent
+            self._run(self._close_shared_memory())
         self._closed = True
         for client in self._connections:
             client.close()

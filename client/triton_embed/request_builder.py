@@ -49,7 +49,7 @@ class RequestBuilder:
         one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
         budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores.
         """
-        kwargs: dict[str, Any] = {}  # the gRPC deadline is every call's: the clients' ``_call`` adds it
+        kwargs: dict[str, Any] = {}  # the gRPC deadline is every call's: ``ClientCore._request`` adds it
         budget = self.settings.latency_budget_ms
         if budget is None and bulk:
             budget = 0

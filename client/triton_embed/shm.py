@@ -9,6 +9,7 @@ it unregisters and destroys the regions. Only for a client and server on the sam
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 import time
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import tritonclient.utils.shared_memory as shm
+
+from triton_embed.settings import copied
 
 MIN_REGION_BYTES = 64 * 1024
 ALIGN = 64
@@ -161,3 +164,18 @@ class ShmPool:
                 with contextlib.suppress(Exception):  # best effort: the server may already be gone
                     unregister_when_released(unregister, region.name)
             shm.destroy_shared_memory_region(region.handle)
+
+
+def close_pool_at_exit(pool: ShmPool, protocol: str, url: str, headers: dict[str, str] | None) -> None:
+    """Interpreter-exit cleanup of a client (sync or asyncio) that was never closed.
+
+    Unregisters its regions with the client's headers (the shared-memory API is behind the admin header) over a
+    connection of its own (``tritonclient.grpc`` or ``tritonclient.http``), and destroys them.
+    """
+    if pool.closed:
+        return
+    client = importlib.import_module(f"tritonclient.{protocol}").InferenceServerClient(url)
+    try:
+        pool.close(lambda name: client.unregister_system_shared_memory(name, headers=copied(headers)), timeout_s=5.0)
+    finally:
+        client.close()

@@ -1,0 +1,446 @@
+"""The client core, without I/O: what the sync and the asyncio client both do, written once.
+
+Each operation (read the model config, infer one chunk with retries, register a shared memory region, ask for health
+or statistics, unregister regions on close) is a generator that yields the I/O it needs as small steps and receives
+each step's result by ``send()``, or its exception by ``throw()``:
+
+- :class:`Call`: one tritonclient method call, headers and gRPC deadline included; the client performs it on its
+  connection and maps a tritonclient error to ours with :func:`triton_embed.errors.from_triton`.
+- :class:`Sleep`: wait that long (a backoff, a pause before an unregister is tried again).
+- :class:`Blocking`: a function that may block (closing the shared memory pool waits for in-flight requests); the
+  sync client calls it, the asyncio client runs it in a worker thread.
+
+:class:`triton_embed.EmbeddingClient` and :class:`triton_embed.AsyncEmbeddingClient` each drive these generators with
+one small loop (``_run``) and keep only what is I/O or concurrency: connections, running chunks at once, waiting for
+calls in flight on close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, ParamSpec, TypeAlias, TypeVar
+
+from triton_embed import server_stats
+from triton_embed.client_stats import ClientStats, Counters
+from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
+from triton_embed.inputs import Embeddings
+from triton_embed.request_builder import OUTPUT, RequestBuilder
+from triton_embed.settings import Settings, copied
+from triton_embed.shm import Region, ShmPool, close_pool_at_exit, region_in_use, release_pauses
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+# -- steps: the I/O an operation asks its client for -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    """``method(*args, **kwargs)`` on the client's tritonclient connection; the result is sent back.
+
+    ``wait_s``: the longest the asyncio client waits for the whole call (``asyncio.wait_for``), seconds, or None.
+    The sync client's connections bound a call themselves (gRPC deadline, HTTP network timeout).
+    """
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    wait_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Wait ``seconds`` (time.sleep or asyncio.sleep)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """``fn(*args)``, which may block: called as it is by the sync client, in a worker thread by the asyncio one."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+
+
+Step: TypeAlias = Call | Sleep | Blocking
+Steps: TypeAlias = Generator[Step, Any, T]
+"""An operation of the core: yields steps, receives their results, returns ``T``."""
+
+
+# -- retry policy ------------------------------------------------------------------------------------------------------
+MAX_BACKOFF_S = 2.0
+DEFAULT_BACKOFF_S = 0.1
+"""First wait before a retry, seconds (``backoff_s``); it doubles per attempt up to :data:`MAX_BACKOFF_S`."""
+
+
+def backoff(attempt: int, base_s: float) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): exponential, capped at 2 s, with 0-25% jitter."""
+    return min(MAX_BACKOFF_S, base_s * 2.0**attempt) * (1 + random.random() / 4)  # noqa: S311 - jitter only
+
+
+def retryable(error: EmbeddingError) -> bool:
+    """Only unavailable/overloaded/connection errors are retried; bad input and timeouts never are."""
+    return isinstance(error, ServerUnavailableError)
+
+
+# -- results and pure helpers ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Health:
+    """``live``: the server answers; ``ready``: all its models loaded; ``model_ready``: this client's model.
+
+    ``error``: why the server could not be asked ("" when it answered), e.g. the wrong port for the protocol.
+    """
+
+    live: bool
+    ready: bool
+    model_ready: bool
+    error: str = ""
+
+
+def max_batch_and_dim(config: dict[str, Any]) -> tuple[int, int]:
+    """``(max_batch_size, embedding width)`` from a model config in JSON form."""
+    output = next(o for o in config["output"] if o["name"] == OUTPUT)
+    return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
+
+
+def chunks(items: list[str], size: int) -> list[list[str]]:
+    """``items`` in order, in pieces of at most ``size`` (one request each)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+"""This package's folder: warnings point at the first frame outside it."""
+
+
+def disable_shared_memory_warning(url: str, error: Exception) -> None:
+    """Warn once per failure that shared memory is off for this client.
+
+    The warning points at the caller's line: the first frame outside this package.
+    """
+    frame, stacklevel = sys._getframe(0), 1  # stacklevel 1 is this function
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        frame, stacklevel = frame.f_back, stacklevel + 1
+    warnings.warn(
+        f"shared memory registration with {url} failed ({error}); falling back to sending tensors over the "
+        "network (registration is an admin API: pass the server's admin key header, see docs/operations.md, threat "
+        "model; and client and server must share /dev/shm, e.g. the same host or container IPC namespace)",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+
+
+class ClientCore:
+    """Settings, state and the I/O-free operations of the sync and the asyncio client; not used directly.
+
+    Methods that return :data:`Steps` are operations: a client runs them with its ``_run``.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        protocol: str | None = None,
+        model: str = "embed",
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        binary: bool = True,
+        use_shared_memory: bool = False,
+        coalesce: bool = False,
+        max_concurrency: int = 4,
+        headers: dict[str, str] | None = None,
+        latency_budget_ms: float | None = None,
+        truncate: bool | None = None,
+    ) -> None:
+        """Connect lazily: nothing is sent until the first call.
+
+        Args:
+            url: ``host:port``, or ``http://host:port`` / ``grpc://host:port`` (the scheme picks the protocol);
+                ``:8000`` means 127.0.0.1. Default: ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) /
+                ``127.0.0.1:8000`` (HTTP).
+            protocol: ``grpc`` or ``http``. Default: the url's scheme, else ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
+            model: the ensemble's name.
+            timeout_s: limit for one request attempt, seconds (gRPC deadline; HTTP connect and network timeout).
+            retries: extra attempts after an unavailable/overloaded/connection error (never after bad input or a
+                timeout), waiting ``backoff_s * 2**k`` (capped at 2 s, plus up to 25% jitter) before attempt k+1.
+            backoff_s: first wait between attempts, seconds.
+            binary: HTTP only: binary tensor data (default) instead of JSON, ~4x fewer bytes per embedding.
+            use_shared_memory: send texts and receive embeddings through system shared memory (same host only);
+                falls back to the network with a ``RuntimeWarning`` when the server cannot register the regions.
+            coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
+            max_concurrency: chunks of one long list sent at the same time.
+            headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key); copied, so
+                the caller's dict is never changed and may be shared between clients.
+            latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long this request may wait
+                in the encoder's queue before the server refuses it as overloaded (ms; 0 = never refused, for bulk
+                jobs that prefer slow to rejected; fractions allowed). None = the server's
+                ``LATENCY_BUDGET_MS`` (180 ms as shipped).
+            truncate: sent as the request parameter ``truncate``: False makes a text over ``max_seq_length`` tokens
+                (256 for all-MiniLM-L6-v2) an ``InvalidInputError`` instead of being cut as sentence-transformers
+                cuts it; None = the server's ``TRUNCATION`` (truncate as shipped). The response cache keys on the
+                texts only: a text already served truncated is answered from the cache whatever this says.
+
+        Raises:
+            ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
+                ``protocol`` (or ``$TRITON_EMBED_PROTOCOL``, when both come from the environment), ``truncate``
+                or ``binary`` not a bool, ``headers`` not a dict of str, or a setting out of range
+                (``timeout_s``, ``retries``, ``backoff_s``, ``max_concurrency``, ``latency_budget_ms``).
+        """
+        self.settings = Settings.make(
+            url=url,
+            protocol=protocol,
+            model=model,
+            timeout_s=timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            binary=binary,
+            use_shared_memory=use_shared_memory,
+            coalesce=coalesce,
+            max_concurrency=max_concurrency,
+            headers=headers,
+            latency_budget_ms=latency_budget_ms,
+            truncate=truncate,
+        )
+        self._module = self._protocol_module(self.settings.protocol)
+        self._builder = RequestBuilder(self.settings, self._module)
+        self._counters = Counters()
+        self._config: dict[str, Any] | None = None
+        self._closed = False
+        self._closing = False  # close() has begun: new calls are refused
+        self._shm: ShmPool | None = None
+        self._shm_lock = threading.Lock()
+        self._shm_fallback: Exception | None = None  # why shared memory was given up, until the caller is warned
+        self._setup()
+
+    def _longest_call_s(self) -> float:
+        """Longest one embed() call can take, seconds: every attempt's timeout plus the backoffs (capped at 2 s)."""
+        s = self.settings
+        return (s.retries + 1) * s.timeout_s + s.retries * 2.5
+
+    def _protocol_module(self, protocol: str) -> ModuleType:
+        """The tritonclient module for ``protocol`` (sync or aio); set by the subclass."""
+        raise NotImplementedError
+
+    def _setup(self) -> None:
+        """Subclass state (connections, coalescer, shared memory pool)."""
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        """``host:port`` this client talks to."""
+        return self.settings.url
+
+    @property
+    def protocol(self) -> str:
+        """``grpc`` or ``http``."""
+        return self.settings.protocol
+
+    @property
+    def model(self) -> str:
+        """The ensemble's name."""
+        return self.settings.model
+
+    def stats(self) -> ClientStats:
+        """Client-side counters: requests, texts, retries, errors, HTTP body bytes, shared memory regions."""
+        return self._counters.snapshot(len(self._shm.regions) if self._shm else 0)
+
+    def _closed_error(self) -> EmbeddingError:
+        return EmbeddingError(f"client for model '{self.model}' at {self.url} is closed")
+
+    def _check_open(self) -> None:
+        """Raise ``EmbeddingError`` (the client is closed) once ``close()`` has begun."""
+        if self._closing:
+            raise self._closed_error()
+
+    # -- calls and retries --------------------------------------------------------------------------------------------
+    def _request(self, method: str, *args: Any, wait_s: float | None = None, **kwargs: Any) -> Steps[Any]:
+        """One tritonclient call, ``method(*args, **kwargs)``, with the client's headers; returns its result.
+
+        Over gRPC every call gets ``timeout_s`` as its deadline: without one, a config fetch or a health check
+        against a port that accepts connections but never answers waits ~20 s for gRPC's handshake, whatever
+        ``timeout_s`` says; HTTP's connection has the timeout already.
+        """
+        if self.protocol == "grpc":
+            kwargs.setdefault("client_timeout", self.settings.timeout_s)
+        return (yield Call(method, args, {"headers": copied(self.settings.headers), **kwargs}, wait_s))
+
+    def _as_json(self) -> dict[str, Any]:
+        """Keyword arguments that make a gRPC answer JSON, as HTTP's always is."""
+        return {"as_json": True} if self.protocol == "grpc" else {}
+
+    def _retrying(self, fn: Callable[P, Steps[T]], *args: P.args, **kwargs: P.kwargs) -> Steps[T]:
+        """``fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
+        for attempt in range(self.settings.retries + 1):
+            try:
+                return (yield from fn(*args, **kwargs))
+            except EmbeddingError as exc:
+                if not retryable(exc) or attempt == self.settings.retries:
+                    self._counters.add(errors=1)
+                    raise
+                self._counters.add(retries=1)
+                yield Sleep(backoff(attempt, self.settings.backoff_s))
+        raise AssertionError("unreachable")
+
+    def _get_model_config(self) -> Steps[dict[str, Any]]:
+        """The model's config in JSON form: fetched once (with retries), then kept."""
+        if self._config is None:
+            reply = yield from self._retrying(self._request, "get_model_config", self.model, **self._as_json())
+            config: dict[str, Any] = reply["config"] if self.protocol == "grpc" else reply
+            self._config = config
+        return self._config
+
+    # -- embedding ----------------------------------------------------------------------------------------------------
+    def _chunked(self, items: list[str]) -> Steps[tuple[list[list[str]], int]]:
+        """``(items in pieces of at most max_batch_size, embedding width)``: one inference request per piece."""
+        size, dim = max_batch_and_dim((yield from self._get_model_config()))
+        return chunks(items, size), dim
+
+    def _infer(self, texts: list[str], dim: int, bulk: bool = False) -> Steps[Embeddings]:
+        """Embed one chunk, ``(len(texts), dim)`` float32, retried after retryable errors.
+
+        ``bulk``: the chunk is one of several of one call (see :meth:`RequestBuilder.infer_kwargs`).
+        """
+        return (yield from self._retrying(self._infer_once, texts, dim, bulk))
+
+    def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> Steps[Embeddings]:
+        if self._closed:  # a call that outlived close() fails here, before it takes a region
+            raise self._closed_error()
+        pool, region = yield from self._acquire_region(texts, dim)
+        try:
+            inputs, outputs, sent = self._builder.build(texts, dim, region)
+            try:
+                result = yield from self._request(
+                    "infer",
+                    self.model,
+                    inputs,
+                    outputs=outputs,
+                    wait_s=self.settings.timeout_s + 1,  # a backstop: the connection's own timeout answers first
+                    **self._builder.infer_kwargs(bulk),
+                )
+            except InvalidInputError as exc:
+                note_request_row(exc, texts)
+                raise
+            array, received = self._builder.read(result, texts, dim, region)
+            array = array.copy() if region is not None else array
+        finally:
+            if pool is not None and region is not None:
+                pool.release(region)
+        self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
+        return array
+
+    # -- shared memory ------------------------------------------------------------------------------------------------
+    def _open_shared_memory(self) -> ShmPool | None:
+        """A new region pool when ``use_shared_memory`` is on, else None.
+
+        A client never closed still unregisters and frees its regions at interpreter exit.
+        """
+        if not self.settings.use_shared_memory:
+            return None
+        pool, s = ShmPool(), self.settings
+        self._finalizer = weakref.finalize(self, close_pool_at_exit, pool, s.protocol, s.url, s.headers)
+        return pool
+
+    def _acquire_region(self, texts: list[str], dim: int) -> Steps[tuple[ShmPool | None, Region | None]]:
+        """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
+        pool, region = self._take_region(texts, dim)
+        if pool is None or region is None or region.registered:
+            return pool, region
+        try:
+            yield from self._request("register_system_shared_memory", region.name, region.key, region.byte_size)
+        except EmbeddingError as exc:  # any refusal means: use the network instead
+            self._give_up_shared_memory(pool, region, exc)
+            yield Blocking(pool.close, (lambda name: None, 5.0))
+            return None, None
+        region.registered = True
+        return pool, region
+
+    def _take_region(self, texts: list[str], dim: int) -> tuple[ShmPool | None, Region | None]:
+        """``(pool, region)`` big enough for this request (maybe not registered yet), or ``(None, None)``."""
+        pool = self._shm
+        if pool is None:
+            return None, None
+        try:
+            return pool, pool.acquire(RequestBuilder.region_bytes(texts, dim))
+        except RuntimeError:  # another caller gave shared memory up a moment ago
+            return None, None
+
+    def _give_up_shared_memory(self, pool: ShmPool, region: Region, error: Exception) -> None:
+        """Registration failed: free the region and send tensors over the network from now on (warned once).
+
+        The caller then closes ``pool``.
+        """
+        pool.discard(region)
+        with self._shm_lock:
+            if self._shm is pool:
+                self._shm = None
+                self._shm_fallback = error  # warned by the embed() call, in its caller's thread or task
+
+    def _warn_of_fallback(self) -> None:
+        """Issue the shared-memory fallback warning if one is due.
+
+        Called at the end of ``embed``: its chunks run in worker threads or tasks, where no frame of the caller's is
+        on the stack to point the warning at.
+        """
+        with self._shm_lock:
+            error, self._shm_fallback = self._shm_fallback, None
+        if error is not None:
+            disable_shared_memory_warning(self.url, error)
+
+    def _unregister_region(self, name: str) -> Steps[None]:
+        """Unregister region ``name``, tried again while the server still holds it (see ``shm.region_in_use``).
+
+        Raises:
+            EmbeddingError: any other refusal, or the server still held the region after ``shm.RELEASE_WAIT_S``.
+        """
+        for pause in (*release_pauses(), None):
+            try:
+                yield from self._request("unregister_system_shared_memory", name)
+                return
+            except EmbeddingError as exc:
+                if pause is None or not region_in_use(exc):
+                    raise
+            yield Sleep(pause)
+
+    def _close_shared_memory(self) -> Steps[None]:
+        """Wait for in-flight requests to give their regions back, destroy the regions, unregister them."""
+        pool = self._shm
+        if pool is None:
+            return
+        names: list[str] = []
+        yield Blocking(pool.close, (names.append,))  # collects the names of the regions the server knows
+        for name in names:
+            with contextlib.suppress(EmbeddingError):  # the server may be gone; local regions are freed anyway
+                yield from self._unregister_region(name)
+        self._finalizer.detach()
+
+    # -- health and statistics ----------------------------------------------------------------------------------------
+    def _health(self) -> Steps[Health]:
+        """See the clients' ``health``."""
+        self._check_open()
+        try:
+            # Triton's metrics port answers 200 to any path, with an empty body: the metadata tells them apart
+            yield from self._request("get_server_metadata")
+            live = yield from self._request("is_server_live")
+            ready = yield from self._request("is_server_ready")
+            model_ready = yield from self._request("is_model_ready", self.model)
+        except EmbeddingError as exc:
+            return Health(False, False, False, error=str(exc))
+        return Health(live=bool(live), ready=bool(ready), model_ready=bool(model_ready))
+
+    def _server_stats(self, models: tuple[str, ...]) -> Steps[list[server_stats.StepStats]]:
+        """See the clients' ``server_stats``."""
+        self._check_open()
+        rows = []
+        for name in models:
+            raw = yield from self._request("get_inference_statistics", name, **self._as_json())
+            rows.append(server_stats.parse(raw["model_stats"][0]))
+        return rows
