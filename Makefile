@@ -85,7 +85,7 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# mypy on the client package, with the files and strictness of [tool.mypy] in pyproject.toml.
+# mypy on the client, gateway and monitor packages, with the files and strictness of [tool.mypy] in pyproject.toml.
 typecheck: install
 	$(PY) -m mypy
 

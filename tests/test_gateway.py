@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import reference_embed
+from conftest import REPO_ROOT, reference_embed
 
 TEXTS = [
     "A man is playing a guitar.",
@@ -258,3 +258,39 @@ def test_serve_starts_the_gateway_beside_tritonserver_and_stops_it(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def doc_examples(path: Path, fence: str) -> list[str]:
+    """The code blocks of one kind (```bash, ```python) in a doc page."""
+    return [block.split("```", 1)[0] for block in path.read_text().split(f"```{fence}\n")[1:]]
+
+
+def test_the_docs_examples_work_as_written(gateway, reference):
+    """docs/http-api.md's curl and openai examples, and the README's, against this gateway instead of :8080."""
+    pages = [REPO_ROOT / "docs" / "http-api.md", REPO_ROOT / "README.md"]
+    curls = [
+        line
+        for page in pages
+        for block in doc_examples(page, "bash")
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.startswith("curl -s http://127.0.0.1:8080")
+    ]
+    assert len(curls) >= 3
+    for line in curls:
+        done = subprocess.run(
+            ["bash", "-c", line.replace("http://127.0.0.1:8080", gateway)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        answer = json.loads(done.stdout)
+        assert done.returncode == 0 and "error" not in answer, (line, done.stdout, done.stderr)
+    snippets = [b for page in pages for b in doc_examples(page, "python") if "OpenAI(" in b]
+    assert snippets
+    for snippet in snippets:
+        scope: dict = {}
+        exec(snippet.replace("http://127.0.0.1:8080", gateway), scope)  # noqa: S102 - our own docs
+        served = np.array(scope["vectors"], dtype=np.float32)
+        texts = ["A man is playing a guitar.", "Someone plays music."][: len(served)]
+        assert cosines(served, reference_embed(reference, texts)).min() >= 0.9999
