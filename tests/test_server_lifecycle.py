@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import serve_running
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, ServerError, free_port
 from triton_embed_server.shm import backend_regions
@@ -33,45 +33,16 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
 
 
 @pytest.fixture
-def serve_process(request):
+def serve_process(request, tmp_path):
     """``python -m triton_embed_server serve`` on free ports, ready; extra arguments by indirect parametrization."""
-    ports = [str(free_port()) for _ in range(3)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "triton_embed_server",
-        "serve",
-        "--http-port",
-        ports[0],
-        "--grpc-port",
-        ports[1],
-        "--metrics-port",
-        ports[2],
-        *getattr(request, "param", ()),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, server_pid = [], None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"starting tritonserver \(pid (\d+)\)", line):
-            server_pid = int(m.group(1))
-        if "Ctrl-C stops it" in line:
-            break
-    output = "".join(lines)
-    assert "triton-embed is ready" in output, output[-3000:]
-    yield proc, server_pid, ports, output
-    if proc.poll() is None:
-        proc.kill()
-    if server_pid and not process_gone(server_pid):
-        os.kill(server_pid, signal.SIGKILL)
+    with serve_running(tmp_path / "serve.log", *getattr(request, "param", ())) as run:
+        assert "triton-embed is ready" in run.output(), run.tail()
+        yield run
 
 
 def test_serve_prints_endpoints_and_stops_on_sigterm(serve_process):
-    proc, server_pid, ports, output = serve_process
+    proc, server_pid, ports = serve_process.proc, serve_process.server_pid, serve_process.ports
+    output = serve_process.output()
     assert f"http://127.0.0.1:{ports[0]}" in output and f"127.0.0.1:{ports[1]}" in output
     with EmbeddingClient(url=f"127.0.0.1:{ports[1]}") as client:
         assert client.embed(["served by the foreground server"]).shape == (1, 384)
@@ -80,28 +51,22 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(serve_process):
     assert process_gone(server_pid)
 
 
-def test_sigterm_during_startup_stops_at_once_without_claiming_ready():
-    ports = [str(free_port()) for _ in range(3)]
-    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0],
-           "--grpc-port", ports[1], "--metrics-port", ports[2]]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        first = proc.stdout.readline()
-        server_pid = int(re.search(r"starting tritonserver \(pid (\d+)\)", first).group(1))
+def test_sigterm_during_startup_stops_at_once_without_claiming_ready(tmp_path):
+    with serve_running(tmp_path / "serve.log", wait_ready=False) as run:
+        first = run.wait_for("starting tritonserver (pid", timeout_s=60)
         signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)  # loading the models takes ~10-20 s here
-        rest = proc.communicate(timeout=60)[0]
+        run.proc.send_signal(signal.SIGTERM)  # loading the models takes ~10-20 s here
+        code = run.proc.wait(timeout=60)
         took_s = time.monotonic() - signalled
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, first + rest
+        rest = run.output()[len(first) :]
+        assert process_gone(run.server_pid)  # here: leaving the block kills what is left
+    assert code == 0, first + rest
     assert "stop requested before it was ready" in rest and "is ready" not in rest, rest[-2000:]
-    assert process_gone(server_pid)
     assert took_s < 20, f"took {took_s:.1f} s to stop"
 
 
 def test_a_second_serve_on_a_port_in_use_fails_at_once_and_leaves_the_first_serving(serve_process):
-    proc, server_pid, ports, _ = serve_process
+    proc, server_pid, ports = serve_process.proc, serve_process.server_pid, serve_process.ports
     cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0],
            "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]  # fmt: skip
     second = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
@@ -114,7 +79,7 @@ def test_a_second_serve_on_a_port_in_use_fails_at_once_and_leaves_the_first_serv
 
 
 def test_no_orphan_server_when_parent_is_killed(serve_process):
-    proc, server_pid, _, _ = serve_process
+    proc, server_pid = serve_process.proc, serve_process.server_pid
     assert server_pid and not process_gone(server_pid)
     proc.kill()  # SIGKILL: the parent gets no chance to clean up
     proc.wait(timeout=10)
@@ -122,7 +87,9 @@ def test_no_orphan_server_when_parent_is_killed(serve_process):
 
 
 def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left(serve_process):
-    proc, server_pid, ports, _ = serve_process
+    """A killed tritonserver is restarted; a restart killed while it loads counts as one restart and the next one is
+    made; the killed servers' stubs and shared-memory regions are gone."""
+    proc, server_pid, ports = serve_process.proc, serve_process.server_pid, serve_process.ports
     stubs = stub_processes(server_pid)
     assert set(stubs.values()) == {"tokenizer", "encoder"}, stubs
     killed_regions = {
@@ -133,20 +100,10 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
     }
     assert killed_regions
     os.kill(server_pid, signal.SIGKILL)  # as the kernel's OOM killer would
-    # and once more while the restarted one loads its models: that restart fails, and the next one is made (it
-    # counts against --max-restarts; serve gave up after the failed restart before, a new operator's trial)
-    deadline = time.monotonic() + 60
-    while (restarted := tritonserver_child(proc.pid, other_than=server_pid)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert restarted is not None, "no restarted tritonserver within 60 s"
-    os.kill(restarted, signal.SIGKILL)
-    lines, deadline = [], time.monotonic() + 240
-    while time.monotonic() < deadline and not any("tritonserver restarted" in line for line in lines):
-        lines.append(proc.stdout.readline() or "")
-    output = "".join(lines)
+    kill_next_tritonserver(proc.pid, other_than={server_pid})  # and once more while the restarted one loads
+    output = serve_process.wait_for("tritonserver restarted (pid")
     assert "tritonserver exited unexpectedly with status -9; restarting" in output, output[-3000:]
     assert "warning: restart failed: tritonserver exited with code -9 before it was ready" in output, output[-3000:]
-    assert "tritonserver restarted (pid" in output, output[-3000:]
     # Its stubs exit once serve has reaped it (a 2.51 stub watches its parent's pid; while the dead server is an
     # unreaped zombie they run on): nothing of the killed server is left holding memory.
     assert all(wait_gone(pid, timeout_s=10) for pid in stubs), {p: process_gone(p) for p in stubs}
@@ -158,11 +115,21 @@ def test_serve_restarts_a_killed_tritonserver_and_nothing_of_the_old_one_is_left
     assert not killed_regions & backend_regions(), killed_regions & backend_regions()
 
 
-def tritonserver_child(parent: int, other_than: int) -> int | None:
-    """PID of a live ``tritonserver`` child of ``parent`` other than ``other_than`` (a restarted one), or None."""
+def kill_next_tritonserver(parent: int, other_than: set[int], within_s: float = 60.0) -> int:
+    """SIGKILL the next tritonserver ``parent`` starts (one not in ``other_than``) as soon as it runs; its PID."""
+    deadline = time.monotonic() + within_s
+    while (started := tritonserver_child(parent, other_than)) is None:
+        assert time.monotonic() < deadline, f"no new tritonserver within {within_s:.0f} s"
+        time.sleep(0.05)
+    os.kill(started, signal.SIGKILL)
+    return started
+
+
+def tritonserver_child(parent: int, other_than: set[int]) -> int | None:
+    """PID of a live ``tritonserver`` child of ``parent`` not in ``other_than`` (a restarted one), or None."""
     for proc in Path("/proc").glob("[0-9]*"):
         stat = proc_state(int(proc.name))
-        if stat is None or stat.ppid != parent or not stat.running or int(proc.name) == other_than:
+        if stat is None or stat.ppid != parent or not stat.running or int(proc.name) in other_than:
             continue
         with contextlib.suppress(OSError):
             if (proc / "comm").read_text().strip() == "tritonserver":
@@ -172,11 +139,25 @@ def tritonserver_child(parent: int, other_than: int) -> int | None:
 
 @pytest.mark.parametrize("serve_process", [("--max-restarts", "0")], indirect=True)
 def test_serve_gives_up_after_its_restart_limit(serve_process):
-    proc, server_pid, _, _ = serve_process
-    os.kill(server_pid, signal.SIGKILL)
-    output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 1
+    proc = serve_process.proc
+    os.kill(serve_process.server_pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == 1
+    output = serve_process.output()
     assert "error: tritonserver exited with status -9; 0 restarts in 10 min, giving up" in output, output[-2000:]
+
+
+def test_make_serve_restarts_3_times_in_10_minutes_then_gives_up(serve_process):
+    """docs/operations.md: `make serve` (no --max-restarts) restarts a tritonserver that exits unexpectedly at most 3
+    times in 10 minutes, a restart that dies before it is ready counting as one; then it exits 1."""
+    proc, killed = serve_process.proc, {serve_process.server_pid}
+    os.kill(serve_process.server_pid, signal.SIGKILL)
+    for _ in range(3):  # each restart, killed while it loads
+        killed.add(kill_next_tritonserver(proc.pid, other_than=killed))
+    assert proc.wait(timeout=60) == 1, serve_process.tail()
+    output = serve_process.output()
+    assert output.count("warning: restart failed: tritonserver exited with code -9 before it was ready") == 3, output
+    assert "error: tritonserver exited with status -9; 3 restarts in 10 min, giving up" in output, output[-2000:]
+    assert tritonserver_child(proc.pid, other_than=set()) is None and all(process_gone(pid) for pid in killed)
 
 
 def test_a_server_stop_had_to_kill_leaves_no_stuck_stub_behind(tmp_path):
@@ -186,15 +167,17 @@ def test_a_server_stop_had_to_kill_leaves_no_stuck_stub_behind(tmp_path):
     server = EmbeddedServer(
         http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=1, watch_stubs=False, log_file=tmp_path / "t.log"
     )
-    server.start().wait_ready()
-    stubs = stub_processes(server.pid)
-    assert set(stubs.values()) == {"tokenizer", "encoder"}, stubs
+    stubs: dict[int, str] = {}
     try:
+        server.start().wait_ready()
+        stubs = stub_processes(server.pid)
+        assert set(stubs.values()) == {"tokenizer", "encoder"}, stubs
         for pid in (server.pid, *stubs):
             os.kill(pid, signal.SIGSTOP)
         assert server.stop() == -signal.SIGKILL
         assert all(wait_gone(pid, timeout_s=10) for pid in stubs), {p: proc_state(p) for p in stubs}
     finally:
+        server.stop()  # nothing left to do after the stop above; stops a server that failed before it
         for pid in stubs:
             if not process_gone(pid):
                 os.kill(pid, signal.SIGKILL)
