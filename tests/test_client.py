@@ -6,12 +6,13 @@ import asyncio
 import inspect
 import multiprocessing
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from conftest import reference_embed
-from helpers import ByteCountingProxy, counts
+from helpers import ByteCountingProxy, counts, read_counts
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient, InvalidInputError
 
 VARIANTS = {
@@ -159,19 +160,33 @@ def test_coalescing_sends_each_distinct_text_once(server, reference):
     assert counts(server.grpc_url, "embed")[0] - before == 10
 
 
-def test_concurrent_callers_share_in_flight_texts(server):
+def test_concurrent_callers_wait_for_texts_in_flight_instead_of_sending_them_again(server, reference):
+    """coalesce=True: seven callers ask for 32 texts that another call has in flight (they have passed the tokenizer
+    and the encoder works on them, by Triton's statistics), each plus one text of its own. The server gets each
+    text once: the 32 shared texts and the seven others, 39 of the 256 asked for; every caller gets its rows."""
     tag = secrets.token_hex(4)
-    shared = [f"{tag} shared text {i}" for i in range(8)]
-    before = counts(server.grpc_url, "embed")[0]
+    shared = [" ".join(f"w{i}x{j}" for j in range(200)) + f" {tag}" for i in range(32)]  # ~1-3 s of encoder work
+    own = [[*shared, f"caller {k} own text {tag}"] for k in range(7)]
     with (
-        EmbeddingClient(url=server.grpc_url, coalesce=True, latency_budget_ms=0) as client,
+        EmbeddingClient(url=server.grpc_url, coalesce=True, latency_budget_ms=0, timeout_s=60) as client,
         ThreadPoolExecutor(8) as pool,
     ):
-        results = list(pool.map(client.embed, [shared] * 8))
-    sent = counts(server.grpc_url, "embed")[0] - before
-    assert 8 <= sent < 64, sent  # without coalescing: 8 callers x 8 texts
-    for got in results[1:]:
-        np.testing.assert_allclose(got, results[0], atol=0)
+        client.max_batch_size  # noqa: B018 - the model config, fetched before the calls
+        tokenized_before, sent_before = counts(server.grpc_url, "tokenizer")[0], counts(server.grpc_url, "embed")[0]
+        first = pool.submit(client.embed, shared)
+        deadline = time.monotonic() + 30
+        while read_counts(server.grpc_url, "tokenizer")[0] < tokenized_before + len(shared):
+            assert time.monotonic() < deadline and not first.done(), "the first call never reached the encoder"
+            time.sleep(0.01)
+        assert not first.done(), "the first call was answered before the others asked: nothing was in flight"
+        others = [pool.submit(client.embed, texts) for texts in own]
+        results = [first.result(timeout=120)] + [f.result(timeout=120) for f in others]
+    sent = counts(server.grpc_url, "embed")[0] - sent_before
+    assert sent == len(shared) + len(own), f"{sent} texts sent for {len(shared)} shared and {len(own)} own ones"
+    np.testing.assert_allclose(results[0], reference_embed(reference, shared), atol=1e-5)
+    for texts, got in zip(own, results[1:], strict=True):
+        np.testing.assert_array_equal(got[: len(shared)], results[0])  # the first call's rows, not computed again
+        np.testing.assert_allclose(got[-1:], reference_embed(reference, texts[-1:]), atol=1e-5)
 
 
 def test_http_binary_is_at_least_3x_smaller_on_the_wire_than_json(server):
