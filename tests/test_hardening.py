@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -33,6 +35,15 @@ def texts(*items: bytes) -> np.ndarray:
     return np.array([[t] for t in items], dtype=np.object_)
 
 
+TAG = secrets.token_hex(4)
+"""In the texts that must be new to the server's response cache: new in every session."""
+
+
+def token_count(reference, text: str) -> int:
+    """Tokens of ``text`` untruncated, [CLS] and [SEP] included, by the reference model's tokenizer."""
+    return len(reference.tokenizer(text, truncation=False)["input_ids"])
+
+
 # (name, request kwargs for send(), substrings the error must contain: the field, the limit, the value)
 BAD_INPUTS = [
     ("too_many_texts", {"array": texts(*[b"a"] * 65)}, ["batch-size must be <= 64"]),
@@ -46,13 +57,13 @@ BAD_INPUTS = [
     ("wrong_name", {"array": texts(b"a"), "name": "TXT"}, ["unexpected inference input 'TXT'"]),
     (
         "over_max_seq_length_without_truncation",
-        # a text no other test sends: a truncated answer to it in the response cache would be served instead
-        {"array": texts(b"refused " + b"word " * 400), "params": {"truncate": False}},
-        ["'TEXT' row 0 has 403 tokens; the limit is 256 (the model's max_seq_length)", "truncation is off"],
+        # new to the server (TAG): a truncated answer to it in the response cache would be served instead
+        {"array": texts(f"refused {TAG} ".encode() + b"word " * 400), "params": {"truncate": False}},
+        ["'TEXT' row 0 has {tokens} tokens; the limit is 256 (the model's max_seq_length)", "truncation is off"],
     ),
     (
         "over_max_seq_length_read_from_its_head",  # over 4,096 characters: only its head is tokenized
-        {"array": texts(b"refused from its head " + b"word " * 2000), "params": {"truncate": False}},
+        {"array": texts(f"refused from its head {TAG} ".encode() + b"word " * 2000), "params": {"truncate": False}},
         ["'TEXT' row 0 has at least ", " tokens; the limit is 256", "truncation is off"],
     ),
     (
@@ -65,12 +76,17 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 @pytest.mark.parametrize(("name", "request_kwargs", "expected"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, protocol, name, request_kwargs, expected):
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(
+    server, reference, protocol, name, request_kwargs, expected
+):
     pid = server.pid
     with pytest.raises(InferenceServerException) as info:
         send(server, protocol, **request_kwargs)
     message = info.value.message()
-    for part in expected:
+    for template in expected:
+        part = template
+        if "{tokens}" in template:
+            part = template.format(tokens=token_count(reference, request_kwargs["array"][0, 0].decode()))
         assert part in message, f"{name}: {part!r} not in {message!r}"
     assert str(info.value.status()) in ("StatusCode.INVALID_ARGUMENT", "400")
     assert send(server, protocol, texts(b"a good request right after")).shape == (1, 384)
@@ -87,12 +103,11 @@ def test_long_texts_are_truncated_by_default_and_on_request(server, reference):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_the_clients_truncate_option_reaches_the_server(server, reference, protocol):
-    long = f"client {protocol} " + "token " * 400  # a text no other test sends (the cache would answer it)
-    tokens = {"grpc": 405, "http": 404}  # [CLS] client grpc (2 tokens) / http (1) token x 400 [SEP]
+    long = f"client {protocol} {TAG} " + "token " * 400  # new to the server: the cache cannot answer it
     url = server.grpc_url if protocol == "grpc" else server.http_url
     with (
         EmbeddingClient(url=url, protocol=protocol, truncate=False) as strict,
-        pytest.raises(InvalidInputError, match=f"row 0 has {tokens[protocol]} tokens; the limit is 256"),
+        pytest.raises(InvalidInputError, match=f"row 0 has {token_count(reference, long)} tokens; the limit is 256"),
     ):
         strict.embed([long])
     with EmbeddingClient(url=url, protocol=protocol, truncate=True) as cutting:
@@ -102,7 +117,7 @@ def test_the_clients_truncate_option_reaches_the_server(server, reference, proto
 def test_the_response_cache_answers_a_cached_text_whatever_the_request_parameters(server, reference):
     # Triton 2.51 caches on the texts alone (docs/architecture.md, "Response cache"): once a long text has
     # been served truncated, truncate=false for it is answered from the cache, not refused.
-    long = "cached once " + "word " * 400
+    long = f"cached once {TAG} " + "word " * 400
     send(server, "grpc", texts(long.encode()))
     cached = send(server, "grpc", texts(long.encode()), params={"truncate": False})
     np.testing.assert_allclose(cached, reference_embed(reference, [long]), atol=1e-5)
@@ -156,3 +171,85 @@ def test_admin_apis_need_the_header_and_inference_does_not(server):
     with EmbeddingClient(url=server.http_url, protocol="http") as client:
         assert client.embed(["inference needs no header"]).shape == (1, 384)
         assert client.health().model_ready
+
+
+ADMIN_CALLS = {  # Triton's restricted API groups other than the model repository (above): a read and a write each
+    "trace": [lambda c, **kw: c.get_trace_settings(**kw), lambda c, **kw: c.update_trace_settings(settings={}, **kw)],
+    "logging": [lambda c, **kw: c.get_log_settings(**kw), lambda c, **kw: c.update_log_settings(settings={}, **kw)],
+    "system shared memory": [
+        lambda c, **kw: c.get_system_shared_memory_status(**kw),
+        lambda c, **kw: c.register_system_shared_memory("locked-out", "/locked-out", 64, **kw),
+    ],
+    "CUDA shared memory": [
+        lambda c, **kw: c.get_cuda_shared_memory_status(**kw),
+        lambda c, **kw: c.unregister_cuda_shared_memory(**kw),
+    ],
+}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("group", list(ADMIN_CALLS))
+def test_trace_logging_and_shared_memory_apis_need_the_admin_header(server, protocol, group):
+    """docs/operations.md, "Threat model and the admin lock": trace and logging settings and system/CUDA shared-memory
+    registration are refused without the admin header or with a wrong key (HTTP 403; gRPC UNAVAILABLE with a
+    message naming the header), on both protocols; with the key they answer."""
+    module = MODULES[protocol]
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    header = next(iter(server.admin_headers(protocol)))
+    client = module.InferenceServerClient(url)
+    try:
+        for call in ADMIN_CALLS[group]:
+            for headers in (None, {header: "not-the-key"}):
+                with pytest.raises(InferenceServerException) as refused:
+                    call(client, headers=headers)
+                assert str(refused.value.status()) in ("403", "StatusCode.UNAVAILABLE"), refused.value
+                assert "is restricted, expecting header" in refused.value.message()
+                assert header in refused.value.message()
+        read = ADMIN_CALLS[group][0]
+        assert read(client, headers=server.admin_headers(protocol)) is not None
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory):
+    """The shipped repository (artifacts linked, response cache on as shipped) with the tokenizer's
+    ``TRUNCATION: "error"``, as docs/configuration.md sets it where over-long texts must be errors."""
+    import shutil
+
+    from conftest import REPO_ROOT
+    from triton_embed_server.embedded import EmbeddedServer
+
+    tmp = tmp_path_factory.mktemp("strict")
+    src, repo = REPO_ROOT / "model_repository", tmp / "repo"
+    shutil.copytree(src, repo, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "export.json"))
+    for name in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
+        (repo / name).symlink_to(src / name)
+    config = repo / "tokenizer" / "config.pbtxt"
+    shipped = 'key: "TRUNCATION"\n    value: { string_value: "truncate" }'
+    assert shipped in config.read_text(), "the shipped tokenizer config no longer sets TRUNCATION this way"
+    config.write_text(config.read_text().replace(shipped, shipped.replace('"truncate"', '"error"')))
+    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_truncation_error_in_the_config_refuses_over_long_texts_every_time(strict_server, reference, protocol):
+    """With ``TRUNCATION: "error"`` a text over 256 tokens is INVALID_ARG naming its tokens and the limit, and, the
+    refusal never being cached, so is the same text asked again; texts within the limit are served as ever."""
+    url = strict_server.grpc_url if protocol == "grpc" else strict_server.http_url
+    long = f"strict {protocol} {secrets.token_hex(4)} " + "word " * 400
+    with EmbeddingClient(url=url, protocol=protocol, retries=0) as client:
+        for _ in range(2):
+            with pytest.raises(InvalidInputError, match=f"row 0 has {token_count(reference, long)} tokens; the limit"):
+                client.embed([long])
+        short = ["a text within the limit", "word " * 200]  # 202 tokens
+        np.testing.assert_allclose(client.embed(short), reference_embed(reference, short), atol=1e-5)
+
+
+def test_the_request_parameter_truncate_overrides_truncation_error(strict_server, reference):
+    """The request parameter wins over the config: ``truncate=True`` cuts an over-long text as sentence-transformers
+    cuts it, even where the config says "error"."""
+    long = f"cut on request {secrets.token_hex(4)} " + "word " * 400
+    with EmbeddingClient(url=strict_server.grpc_url, truncate=True) as client:
+        np.testing.assert_allclose(client.embed([long]), reference_embed(reference, [long]), atol=1e-5)
