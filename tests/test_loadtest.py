@@ -110,9 +110,7 @@ def test_stage_breakdown_is_plausible(grpc_run):
     assert stages["encoder compute infer"] > 0 and stages["tokenizer compute infer"] > 0
     client_mean_ms = report["triton"]["window"]["embed"]["request_ms"] + stages["outside Triton (client + network)"]
     assert sum(stages.values()) <= client_mean_ms * 1.05
-    window = report["triton"]["window"]
-    assert window["encoder"]["avg_batch"] >= 1.0
-    assert window["embed"]["requests"] > 100
+    assert report["triton"]["window"]["embed"]["requests"] > 100
 
 
 def test_grpc_users_do_not_block_the_event_loop(grpc_run):
