@@ -150,6 +150,7 @@ class EmbeddingClient(ClientCore):
         items = as_texts(texts)
         if not items:
             return np.zeros((0, self.dim), dtype=np.float32)
+        self._own_process()  # a forked child counts this call on its own state, not on the parent's copy
         with self._idle:
             if self._closing:
                 raise self._closed_error()
