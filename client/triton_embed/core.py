@@ -398,6 +398,8 @@ class ClientCore:
     def _unregister_region(self, name: str) -> Steps[None]:
         """Unregister region ``name``, tried again while the server still holds it (see ``shm.region_in_use``).
 
+        A Triton 2.51 workaround (docs/troubleshooting.md).
+
         Raises:
             EmbeddingError: any other refusal, or the server still held the region after ``shm.RELEASE_WAIT_S``.
         """

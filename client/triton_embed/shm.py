@@ -29,6 +29,7 @@ RELEASE_WAIT_S = 5.0  # how long an unregister waits for the server to let go of
 def region_in_use(error: Exception) -> bool:
     """True if the server refused to unregister a region because a request still holds it.
 
+    For a Triton 2.51 workaround (docs/troubleshooting.md): the clients retry such an unregister.
     Triton 2.50+ counts the requests that use a region and refuses an unregister while any does
     (``Cannot unregister shared memory region '<name>', it is currently in use``, INTERNAL; server pull request
     7567). Triton 2.51 lets go of a request's regions only after it has sent the response, so an unregister right
