@@ -141,12 +141,16 @@ LONG = "word " * 400  # 402 tokens with [CLS] and [SEP]; the limit is 256
         ("/v1/embeddings", {"input": 5}, "input", ["string or a list", "int"]),
         ("/v1/embeddings", {"input": ["a", "b" * 70000]}, "input[1]", ["70000 bytes", "65536"]),
         ("/v1/embeddings", {"input": ["a", LONG], "truncate": "NONE"}, "input[1]", ["402 tokens", "limit is 256"]),
-        ("/v1/embeddings", {"input": "a", "truncate": "START"}, "truncate", ["'START'", "END"]),
+        ("/v1/embeddings", {"input": "a", "truncate": "LEFT"}, "truncate", ["'LEFT'", "START"]),
+        ("/v1/embeddings", {"input": "a", "input_type": "passage"}, "input_type", ["'passage'", "'document'"]),
+        ("/v1/embeddings", {"input": "a", "input_type": 3}, "input_type", ["non-empty string", "3"]),
+        ("/v1/embeddings", {"input": "a", "dimensions": 385}, "dimensions", ["385", "width is 384"]),
         ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}, "encoding_format", ["'int8'", "base64"]),
-        ("/v1/embeddings", {"input": "a", "dimensions": 128}, "dimensions", ["not supported", "128"]),
+        ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions", ["from 1", "0"]),
         ("/v1/embeddings", b'{"input": ["a",', "body", ["not valid JSON"]),
         ("/embed", {"inputs": ["a"], "normalize": False}, "normalize", ["must be true", "False"]),
         ("/embed", {"inputs": ["a"], "truncate": "yes"}, "truncate", ["true or false", "'yes'"]),
+        ("/embed", {"inputs": ["a"], "truncation_direction": "Up"}, "truncation_direction", ["'Up'", "Left"]),
     ],
 )
 def test_bad_input_gets_400_naming_the_field_the_limit_and_the_value(gateway, route, body, param, words):
@@ -294,3 +298,38 @@ def test_the_docs_examples_work_as_written(gateway, reference):
         served = np.array(scope["vectors"], dtype=np.float32)
         texts = ["A man is playing a guitar.", "Someone plays music."][: len(served)]
         assert cosines(served, reference_embed(reference, texts)).min() >= 0.9999
+
+
+def test_truncation_modes_are_served_right_in_any_order_despite_the_cache(gateway, reference):
+    """END cuts the end as sentence-transformers does, START the start, NONE refuses; the same long text in turns."""
+    text = "first words then " + "many middle words " * 100 + "and the very last words"
+    end = reference_embed(reference, [text])
+    reference.tokenizer.truncation_side = "left"
+    try:
+        start = reference_embed(reference, [text])
+    finally:
+        reference.tokenizer.truncation_side = "right"
+    assert cosines(end, start)[0] < 0.9999
+    for mode in ("START", "END", "NONE", "START", "END"):
+        status, answer, _ = post(f"{gateway}/v1/embeddings", {"input": [text], "truncate": mode})
+        if mode == "NONE":
+            assert status == 400 and "truncation is off" in answer["error"]["message"], answer
+            continue
+        assert status == 200, answer
+        served = np.array([answer["data"][0]["embedding"]], dtype=np.float32)
+        assert cosines(served, start if mode == "START" else end)[0] >= 0.9999, mode
+        assert answer["usage"]["prompt_tokens"] == 256
+    status, rows, _ = post(f"{gateway}/embed", {"inputs": [text], "truncation_direction": "Left"})
+    assert status == 200 and cosines(np.array(rows, dtype=np.float32), start)[0] >= 0.9999
+
+
+def test_dimensions_keeps_the_first_components_renormalised(gateway, reference):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{gateway}/v1", api_key="unused")
+    result = client.embeddings.create(model="embed", input=TEXTS, dimensions=128)
+    served = np.array([d.embedding for d in result.data], dtype=np.float32)
+    head = reference_embed(reference, TEXTS)[:, :128]
+    assert served.shape == (3, 128)
+    assert cosines(served, head).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)

@@ -151,7 +151,7 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
         return endpoint
 
     async def embed(request: EmbedRequest, field: str) -> tuple[Vectors, Counts]:
-        vectors, tokens = await embedder.embed(request.texts, request.truncate, field)
+        vectors, tokens = await embedder.embed(request, field)
         metrics.texts.inc(len(request.texts))
         metrics.tokens.inc(int(tokens.sum()))
         return vectors, tokens

@@ -58,16 +58,25 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+TRUNCATIONS = ("END", "START", "NONE")
+
+
 @dataclass(frozen=True)
 class EmbedRequest:
     """What one API request asks of the service.
 
-    ``texts``: the inputs in order; ``truncate``: False refuses a text over the model's token limit instead of
-    cutting its end; ``encoding_format``: ``float`` or ``base64`` (OpenAI route).
+    ``texts``: the inputs in order; ``truncate``: ``END`` (a text over the model's token limit loses its end, as
+    sentence-transformers cuts it), ``START`` (loses its start) or ``NONE`` (refused); ``prompt_name``: one of the
+    model's prompts, None for its default; ``prompt_field``: the API field that named it, for errors;
+    ``dimensions``: keep the first ``d`` components, renormalised, None for all; ``encoding_format``: ``float`` or
+    ``base64`` (OpenAI route).
     """
 
     texts: list[str]
-    truncate: bool = True
+    truncate: str = "END"
+    prompt_name: str | None = None
+    prompt_field: str = "input_type"
+    dimensions: int | None = None
     encoding_format: str = "float"
 
 
@@ -90,24 +99,38 @@ def _texts(value: Any, field: str, max_inputs: int) -> list[str]:
     return value
 
 
-def _reject_options(body: dict[str, Any], fields: tuple[str, ...]) -> None:
-    """Refuse fields the service cannot honour yet, naming them (README, Limitations)."""
-    for field in fields:
-        if body.get(field) is not None:
-            raise invalid(field, f"'{field}' is not supported by this server yet; got {body[field]!r}")
+def _optional_str(body: dict[str, Any], field: str) -> str | None:
+    value = body.get(field)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise invalid(field, f"'{field}' must be a non-empty string; got {value!r}")
+    return value
+
+
+def _dimensions(body: dict[str, Any]) -> int | None:
+    """``dimensions``: an integer >= 1 (its upper bound, the model's width, is checked once the width is known)."""
+    value = body.get("dimensions")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise invalid("dimensions", f"'dimensions' must be an integer from 1 to the model's width; got {value!r}")
+    return value
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("body", f"the body must be a JSON object; got {type(body).__name__}")
+    return body
 
 
 def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest:
     """Read an OpenAI embeddings request.
 
     Fields: ``input`` (str or list of str), ``model`` (any string; the served model answers), ``encoding_format``
-    (``float`` | ``base64``), ``user`` (ignored), ``truncate`` (``END``, the default, or ``NONE``).
+    (``float`` | ``base64``), ``dimensions``, ``user`` (ignored), and as NVIDIA's NIM: ``input_type`` (a prompt name
+    of the model, e.g. ``query`` or ``passage``) and ``truncate`` (``END``, the default, ``START`` or ``NONE``).
 
     Raises:
         ApiError: 400 naming the field, the limit and the value.
     """
-    if not isinstance(body, dict):
-        raise invalid("body", f"the body must be a JSON object; got {type(body).__name__}")
+    body = _object(body)
     if "input" not in body:
         raise ApiError(400, "'input' is required", param="input", code="missing_field")
     model = body.get("model")
@@ -116,40 +139,66 @@ def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequ
     encoding = body.get("encoding_format") or "float"
     if encoding not in ENCODING_FORMATS:
         raise invalid("encoding_format", f"'encoding_format' must be one of {list(ENCODING_FORMATS)}; got {encoding!r}")
-    _reject_options(body, ("dimensions", "input_type"))
-    truncate = body.get("truncate", "END")
-    if truncate not in ("END", "NONE"):
-        raise invalid(
-            "truncate", f"'truncate' must be 'END' or 'NONE' ('START' is not supported yet); got {truncate!r}"
-        )
-    return EmbedRequest(_texts(body["input"], "input", max_inputs), truncate == "END", encoding)
+    truncate = body.get("truncate") or "END"
+    if truncate not in TRUNCATIONS:
+        raise invalid("truncate", f"'truncate' must be one of {list(TRUNCATIONS)}; got {truncate!r}")
+    return EmbedRequest(
+        _texts(body["input"], "input", max_inputs),
+        truncate=truncate,
+        prompt_name=_optional_str(body, "input_type"),
+        prompt_field="input_type",
+        dimensions=_dimensions(body),
+        encoding_format=encoding,
+    )
 
 
 def tei_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest:
-    """Read a text-embeddings-inference ``/embed`` request: ``inputs``, ``normalize``, ``truncate``.
+    """Read a text-embeddings-inference ``/embed`` request.
+
+    Fields: ``inputs``, ``normalize`` (true only), ``truncate`` (bool, default true), ``truncation_direction``
+    (``Right``, the default, or ``Left``), ``prompt_name``, ``dimensions``.
 
     Raises:
         ApiError: 400 naming the field, the limit and the value.
     """
-    if not isinstance(body, dict):
-        raise invalid("body", f"the body must be a JSON object; got {type(body).__name__}")
+    body = _object(body)
     if "inputs" not in body:
         raise ApiError(400, "'inputs' is required", param="inputs", code="missing_field")
     if body.get("normalize", True) is not True:
         raise invalid(
             "normalize", f"'normalize' must be true (the model returns unit vectors); got {body['normalize']!r}"
         )
-    _reject_options(body, ("prompt_name", "dimensions"))
     truncate = body.get("truncate", True)
     if not isinstance(truncate, bool):
         raise invalid("truncate", f"'truncate' must be true or false; got {truncate!r}")
-    direction = body.get("truncation_direction", "Right")
-    if direction != "Right":
-        raise invalid(
-            "truncation_direction",
-            f"'truncation_direction' must be 'Right' ('Left' is not supported yet); got {direction!r}",
-        )
-    return EmbedRequest(_texts(body["inputs"], "inputs", max_inputs), truncate)
+    direction = body.get("truncation_direction") or "Right"
+    if direction not in ("Right", "Left"):
+        raise invalid("truncation_direction", f"'truncation_direction' must be 'Right' or 'Left'; got {direction!r}")
+    return EmbedRequest(
+        _texts(body["inputs"], "inputs", max_inputs),
+        truncate=("END" if direction == "Right" else "START") if truncate else "NONE",
+        prompt_name=_optional_str(body, "prompt_name"),
+        prompt_field="prompt_name",
+        dimensions=_dimensions(body),
+    )
+
+
+def shorten(vectors: Vectors, dimensions: int | None, width: int) -> Vectors:
+    """The first ``dimensions`` components of each row, renormalised to unit length (Matryoshka); all for None.
+
+    How well the shortened vectors retrieve depends on the model's training (Matryoshka loss); any model can be cut.
+
+    Raises:
+        ApiError: 400 when ``dimensions`` is over the model's ``width``.
+    """
+    if dimensions is None or dimensions == width:
+        return vectors
+    if dimensions > width:
+        raise invalid("dimensions", f"'dimensions' is {dimensions}; the model's width is {width}")
+    head = vectors[:, :dimensions]
+    norms = np.linalg.norm(head, axis=1, keepdims=True)
+    out: Vectors = (head / np.maximum(norms, 1e-12)).astype(np.float32)
+    return out
 
 
 def openai_response(vectors: Vectors, token_counts: Counts, model: str, encoding_format: str) -> dict[str, Any]:

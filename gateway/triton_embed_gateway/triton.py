@@ -9,20 +9,23 @@ index), overloaded, draining or not ready -> 503 with ``Retry-After``, a deadlin
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from triton_embed_gateway.protocol import ApiError, Counts, Vectors
+from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, Vectors, shorten
 
-TEXT, EMBEDDING, TOKEN_COUNT = "TEXT", "EMBEDDING", "TOKEN_COUNT"
+TEXT, PROMPT_NAME, TRUNCATE = "TEXT", "PROMPT_NAME", "TRUNCATE"
+EMBEDDING, TOKEN_COUNT = "EMBEDDING", "TOKEN_COUNT"
 TOKENIZER, TOKENIZER_COUNT = "tokenizer", "token_count"  # the ensemble's first step and its output
 RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
+_PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
 
 
 @dataclass(frozen=True)
@@ -37,23 +40,35 @@ def _status(exc: InferenceServerException) -> str:
     return str(exc.status() or "")
 
 
-def api_error(exc: InferenceServerException, offset: int = 0, field: str = "input") -> ApiError:
+def api_error(
+    exc: InferenceServerException, offset: int = 0, field: str = "input", prompt_field: str = "input_type"
+) -> ApiError:
     """Map a Triton error to the status a caller of the HTTP API expects.
 
     ``offset``: index of the request's first text in the caller's list, so Triton's ``input 'TEXT' row 3`` of the
-    third chunk of 64 becomes ``'input[131]'``.
+    third chunk of 64 becomes ``'input[131]'``; an unknown prompt name is named as ``prompt_field``.
     """
     status, message = _status(exc), exc.message() or str(exc)
     if "INVALID_ARGUMENT" in status:
         row = _ROW.search(message)
         param = f"{field}[{int(row.group(1)) + offset}]" if row else field
         message = _ROW.sub(lambda m: f"'{field}[{int(m.group(1)) + offset}]'", message)
+        if _PROMPT_ROW.search(message):
+            param, message = prompt_field, _PROMPT_ROW.sub(f"'{prompt_field}'", message)
         return ApiError(400, message, param=param, code="invalid_value")
     if "UNAVAILABLE" in status or "NOT_FOUND" in status:
         return ApiError(503, message, code="overloaded_or_not_ready", retry_after_s=RETRY_AFTER_S)
     if "DEADLINE_EXCEEDED" in status:
         return ApiError(504, message, code="timeout")
     return ApiError(502, message, code="triton_error")
+
+
+def _bytes_input(name: str, values: list[str]) -> grpcclient.InferInput:
+    """A BYTES ``[n, 1]`` input of UTF-8 strings."""
+    data = np.array([v.encode("utf-8") for v in values], dtype=np.object_).reshape(-1, 1)
+    tensor = grpcclient.InferInput(name, list(data.shape), "BYTES")
+    tensor.set_data_from_numpy(data)
+    return tensor
 
 
 class TritonEmbedder:
@@ -99,41 +114,47 @@ class TritonEmbedder:
         except InferenceServerException:
             return False
 
-    async def embed(self, texts: list[str], truncate: bool = True, field: str = "input") -> tuple[Vectors, Counts]:
-        """Embed ``texts``: float32 ``(n, dim)`` unit rows and int64 ``(n,)`` token counts (after truncation).
+    async def embed(self, request: EmbedRequest, field: str = "input") -> tuple[Vectors, Counts]:
+        """Embed ``request.texts``: float32 ``(n, dim)`` unit rows and int64 ``(n,)`` token counts (after truncation).
+
+        The prompt and the truncation go to Triton as the ensemble's ``PROMPT_NAME`` and ``TRUNCATE`` inputs, so the
+        response cache keys on them; ``dimensions`` shortens the rows here, so one cached vector serves every width.
 
         Raises:
-            ApiError: see the module's mapping; a bad text is named by its index in ``texts`` under ``field``.
+            ApiError: see the module's mapping; a bad text is named by its index in ``texts`` under ``field``, an
+                unknown prompt under ``request.prompt_field``, ``dimensions`` over the width under its name.
         """
-        step = (await self.info()).max_batch_size
+        info = await self.info()
+        step, texts = info.max_batch_size, request.texts
         starts = range(0, len(texts), step)
         bulk = len(starts) > 1
-        parts = await asyncio.gather(*(self._infer(texts[i : i + step], i, truncate, field, bulk) for i in starts))
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        parts = await asyncio.gather(*(self._infer(texts[i : i + step], i, request, field, bulk) for i in starts))
+        vectors = np.concatenate([p[0] for p in parts])
+        return shorten(vectors, request.dimensions, info.dim), np.concatenate([p[1] for p in parts])
 
     async def _infer(
-        self, texts: list[str], offset: int, truncate: bool, field: str, bulk: bool
+        self, texts: list[str], offset: int, request: EmbedRequest, field: str, bulk: bool
     ) -> tuple[Vectors, Counts]:
-        data = np.array([t.encode("utf-8") for t in texts], dtype=np.object_).reshape(-1, 1)
-        request = grpcclient.InferInput(TEXT, list(data.shape), "BYTES")
-        request.set_data_from_numpy(data)
+        inputs = [_bytes_input(TEXT, texts), _bytes_input(TRUNCATE, [request.truncate] * len(texts))]
+        if request.prompt_name is not None:
+            inputs.append(_bytes_input(PROMPT_NAME, [request.prompt_name] * len(texts)))
         outputs = [grpcclient.InferRequestedOutput(EMBEDDING), grpcclient.InferRequestedOutput(TOKEN_COUNT)]
-        parameters: dict[str, Any] = {} if truncate else {"truncate": False}
-        if bulk:  # one refused chunk would fail the whole call: the chunks of a split list are never refused
-            parameters["latency_budget_ms"] = 0
+        # one refused chunk would fail the whole call: the chunks of a split list are never refused
+        parameters = {"latency_budget_ms": 0} if bulk else None
+        errors = functools.partial(api_error, offset=offset, field=field, prompt_field=request.prompt_field)
         try:
             result = await self._client.infer(
-                self.model, [request], outputs=outputs, parameters=parameters or None, client_timeout=self.timeout_s
+                self.model, inputs, outputs=outputs, parameters=parameters, client_timeout=self.timeout_s
             )
         except InferenceServerException as exc:
-            raise api_error(exc, offset, field) from exc
+            raise errors(exc) from exc
         counts = result.as_numpy(TOKEN_COUNT)
         if counts is None:  # a cache hit on a response first asked for without it
-            counts = await self._token_counts(request, parameters, offset, field)
+            counts = await self._token_counts(inputs, errors)
         return result.as_numpy(EMBEDDING), counts.reshape(-1).astype(np.int64)
 
     async def _token_counts(
-        self, request: grpcclient.InferInput, parameters: dict[str, Any], offset: int, field: str
+        self, inputs: list[grpcclient.InferInput], errors: Callable[[InferenceServerException], ApiError]
     ) -> Counts:
         """Token counts from the ensemble's tokenizer step alone, int64 ``[n, 1]``.
 
@@ -142,11 +163,11 @@ class TritonEmbedder:
         """
         try:
             result = await self._client.infer(
-                TOKENIZER, [request], outputs=[grpcclient.InferRequestedOutput(TOKENIZER_COUNT)],
-                parameters=parameters or None, client_timeout=self.timeout_s,
+                TOKENIZER, inputs, outputs=[grpcclient.InferRequestedOutput(TOKENIZER_COUNT)],
+                client_timeout=self.timeout_s,
             )  # fmt: skip
         except InferenceServerException as exc:
-            raise api_error(exc, offset, field) from exc
+            raise errors(exc) from exc
         counts: Counts = result.as_numpy(TOKENIZER_COUNT)
         return counts
 

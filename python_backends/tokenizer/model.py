@@ -2,22 +2,25 @@
 
 Loaded by Triton for every model whose config says ``backend: "tokenizer"``. The tokenizer file is the model's
 ``<version>/tokenizer.json`` written by ``make model``: a Hugging Face fast tokenizer whose truncation is set to
-the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds the transformer.
+the encoder's ``max_seq_length``, so ids equal what sentence-transformers feeds the transformer. ``prompts.json``
+beside it holds the model's sentence-transformers ``prompts`` and ``default_prompt_name``.
 
-Per execute: all requests' texts are decoded, tokenised in ONE ``encode_batch`` call (texts over 4,096 characters
-from their head when that gives the same ids: ``long_texts.py``), and split back per request.
-Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the longest text of
-that request in tokens; shorter rows are padded with the tokenizer's pad id and mask 0, and ``queued_ns``, int64
-``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue (one clock for
-every process on the host), from which the encoder's overload control counts each request's wait
-(python_backends/torchscript/overload.py), and ``token_count``, int64 ``[n_texts, 1]``: each text's tokens after
-truncation (the ensemble's ``TOKEN_COUNT``, for usage accounting). A bad request (missing input, wrong shape, no texts, a text over
-``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, or a text over max_seq_length tokens when truncation is off) gets its
-own INVALID_ARG error; the others still succeed.
+Per execute: all requests' texts are decoded, each gets its prompt in front (optional input ``PROMPT_NAME``, else
+the default prompt), and they are tokenised in one ``encode_batch`` call (texts over 4,096 characters from their head
+when that gives the same ids: ``long_texts.py``), plus one for the texts whose ``TRUNCATE`` is ``START``, then split
+back per request. Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the
+longest text of that request in tokens (shorter rows padded with the pad id and mask 0); ``queued_ns``, int64
+``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue, from which
+the encoder's overload control counts each request's wait (python_backends/torchscript/overload.py); and
+``token_count``, int64 ``[n_texts, 1]``: each text's tokens after truncation, prompt and special tokens included.
 
-Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default, cuts long
-texts at max_seq_length as sentence-transformers does; ``error`` rejects them). Request parameter: ``truncate``
-(true/false) overrides ``TRUNCATION``.
+A bad request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, an
+unknown prompt name or truncation, a text over max_seq_length tokens with truncation ``NONE``) gets its own
+INVALID_ARG error; the others still succeed.
+
+Config parameters: ``MAX_TEXT_BYTES`` (default 65536) and ``TRUNCATION`` (``truncate``, the default: END; ``error``:
+NONE). The request parameter ``truncate`` (true/false) overrides ``TRUNCATION``; the input ``TRUNCATE`` overrides
+both, and unlike them is part of the response cache's key.
 """
 
 from __future__ import annotations
@@ -44,7 +47,18 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from long_texts import encode_heads, margin_chars
 from tokenizers import Tokenizer
-from triton_embed_protocol import QUEUED, TEXT, TOKEN_COUNT, TOKENS, RequestError, request_parameters
+from triton_embed_protocol import (
+    PROMPT_NAME,
+    QUEUED,
+    TEXT,
+    TOKEN_COUNT,
+    TOKENS,
+    TRUNCATE,
+    RequestError,
+    request_parameters,
+)
+
+END, START, NONE = MODES = ("END", "START", "NONE")
 
 
 def decode_texts(tensor, max_bytes: int) -> list[str]:
@@ -78,6 +92,23 @@ def decode_texts(tensor, max_bytes: int) -> list[str]:
                 f"({exc.reason})"
             ) from None
     return texts
+
+
+def per_text(tensor, name: str, n: int) -> list[str] | None:
+    """An optional per-text input (BYTES ``[n, 1]``) as ``n`` strings; None when the request has none.
+
+    Raises:
+        RequestError: its shape is not ``[n, 1]`` (the same rows as ``TEXT``), or a row is not UTF-8.
+    """
+    if tensor is None:
+        return None
+    array = tensor.as_numpy()
+    if array.shape != (n, 1):
+        raise RequestError(f"input '{name}' must have shape [{n}, 1], one row per text; got {list(array.shape)}")
+    try:
+        return [(v.encode() if isinstance(v, str) else bytes(v)).decode("utf-8") for v in array[:, 0]]
+    except UnicodeDecodeError:
+        raise RequestError(f"input '{name}' is not valid UTF-8") from None
 
 
 def token_count(encoding, special_tokens: int) -> int:
@@ -122,6 +153,13 @@ class TritonPythonModel:
         self.tokenizer.no_padding()  # we pad per request, not to the longest text of the whole execution
         self._special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)  # [CLS] [SEP]: 2
         self._head_margin = margin_chars(self.tokenizer)  # None: not WordPiece, every text is tokenized whole
+        self.tail_tokenizer = Tokenizer.from_file(str(path))  # TRUNCATE START: keeps the last max_seq_length tokens
+        self.tail_tokenizer.no_padding()
+        self.tail_tokenizer.enable_truncation(self.max_tokens, direction="left")
+        prompts_file = path.parent / "prompts.json"
+        prompts = json.loads(prompts_file.read_text()) if prompts_file.is_file() else {}
+        self.prompts: dict[str, str] = prompts.get("prompts", {})
+        self.default_prompt: str | None = prompts.get("default_prompt_name")
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         self.max_text_bytes = int(params.get("MAX_TEXT_BYTES", "65536"))
         self.truncate = params.get("TRUNCATION", "truncate")
@@ -144,55 +182,91 @@ class TritonPythonModel:
             raise RequestError(f"request parameter 'truncate' must be true or false; got {value!r}")
         return self.truncate == "truncate" if value is None else value
 
+    def _modes(self, request, n: int, parameters: dict) -> list[str]:
+        """Each text's truncation: the ``TRUNCATE`` input, else ``END`` or ``NONE`` from ``truncate``/``TRUNCATION``.
+
+        Raises:
+            RequestError: a row of ``TRUNCATE`` is not END, START or NONE, or ``truncate`` is not a bool.
+        """
+        given = per_text(pb_utils.get_input_tensor_by_name(request, TRUNCATE), TRUNCATE, n)
+        if given is None:
+            return [END if self._truncates(parameters) else NONE] * n
+        for row, mode in enumerate(given):
+            if mode not in MODES:
+                raise RequestError(f"input '{TRUNCATE}' row {row} is {mode!r}; it must be one of {list(MODES)}")
+        return given
+
+    def _prompted(self, request, texts: list[str]) -> list[str]:
+        """``texts`` with each one's prompt in front (``PROMPT_NAME``, else the model's default prompt).
+
+        Raises:
+            RequestError: a row of ``PROMPT_NAME`` names no prompt of this model ("" means none).
+        """
+        names = per_text(pb_utils.get_input_tensor_by_name(request, PROMPT_NAME), PROMPT_NAME, len(texts))
+        if names is None:
+            names = [self.default_prompt or ""] * len(texts)
+        out = []
+        for row, (name, text) in enumerate(zip(names, texts, strict=True)):
+            if name and name not in self.prompts:
+                known = f"this model's prompts are {sorted(self.prompts)}" if self.prompts else "this model has none"
+                raise RequestError(f"input '{PROMPT_NAME}' row {row} is {name!r}, not a prompt name; {known}")
+            out.append(self.prompts.get(name, "") + text)
+        return out
+
     def execute(self, requests: list) -> list:
-        """Tokenise all requests' texts in one call; one response per request, in order."""
+        """Tokenise all requests' texts in two calls at most (END/NONE and START); one response per request."""
         parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
+        modes_per_request: list[list[str]] = []
         errors: dict[int, str] = {}
         for i, request in enumerate(requests):
             try:
-                texts_per_request.append(
-                    decode_texts(pb_utils.get_input_tensor_by_name(request, TEXT), self.max_text_bytes)
-                )
+                texts = decode_texts(pb_utils.get_input_tensor_by_name(request, TEXT), self.max_text_bytes)
+                modes_per_request.append(self._modes(request, len(texts), parameters[i]))
+                texts_per_request.append(self._prompted(request, texts))
             except RequestError as exc:
                 errors[i] = str(exc)
                 texts_per_request.append(None)
+                modes_per_request.append([])
 
-        flat = [t for texts in texts_per_request if texts for t in texts]
+        rows = [
+            (i, row, text, mode)
+            for i, texts in enumerate(texts_per_request)
+            if texts is not None
+            for row, (text, mode) in enumerate(zip(texts, modes_per_request[i], strict=True))
+        ]
+        heads = [r for r in rows if r[3] != START]
+        tails = [r for r in rows if r[3] == START]
+        head_texts = [r[2] for r in heads]
         # long texts: their head
-        encodings, chars = encode_heads(self.tokenizer, flat, self._head_margin) if flat else ([], [])
-        if len(encodings) != len(flat):
-            raise pb_utils.TritonModelException(f"tokenizer returned {len(encodings)} encodings for {len(flat)} texts")
-        rows, tokenized = iter(encodings), iter(chars)
-        per_request = [None if texts is None else [next(rows) for _ in texts] for texts in texts_per_request]
-        chars_of = [None if texts is None else [next(tokenized) for _ in texts] for texts in texts_per_request]
+        encodings, chars = encode_heads(self.tokenizer, head_texts, self._head_margin) if heads else ([], [])
+        tail_encodings = self.tail_tokenizer.encode_batch([r[2] for r in tails]) if tails else []
+        if len(encodings) != len(heads) or len(tail_encodings) != len(tails):
+            raise pb_utils.TritonModelException(
+                f"tokenizer returned {len(encodings) + len(tail_encodings)} encodings for {len(rows)} texts"
+            )
+        encoded: dict[tuple[int, int], object] = {}
+        for (i, row, text, mode), enc, read in zip(heads, encodings, chars, strict=True):
+            encoded[i, row] = enc
+            if mode == NONE and enc.overflowing and i not in errors:
+                whole = read >= len(text)  # else read from its head
+                errors[i] = (
+                    f"input '{TEXT}' row {row} has {'' if whole else 'at least '}"
+                    f"{token_count(enc, self._special_tokens)} tokens; the limit is {self.max_tokens} "
+                    "(the model's max_seq_length) and truncation is off for this request"
+                )
+        for (i, row, _, _), enc in zip(tails, tail_encodings, strict=True):
+            encoded[i, row] = enc
 
-        for i, encs in enumerate(per_request):
-            if encs is None:
-                continue
-            try:
-                truncates = self._truncates(parameters[i])
-            except RequestError as exc:
-                errors[i] = str(exc)
-                continue
-            if not truncates:
-                long = next((row for row, e in enumerate(encs) if e.overflowing), None)
-                if long is not None:
-                    whole = chars_of[i][long] >= len(texts_per_request[i][long])  # else read from its head
-                    errors[i] = (
-                        f"input '{TEXT}' row {long} has {'' if whole else 'at least '}"
-                        f"{token_count(encs[long], self._special_tokens)} tokens; the limit is {self.max_tokens} "
-                        "(the model's max_seq_length) and truncation is off for this request"
-                    )
         queued_ns = time.monotonic_ns()
         responses = []
-        for i, encs in enumerate(per_request):
-            if i in errors:
+        for i, texts in enumerate(texts_per_request):
+            if i in errors or texts is None:
                 error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 continue
-            ids, mask = pad_rows([e.ids for e in encs], self.pad_id)
-            queued = pb_utils.Tensor(QUEUED, np.full((len(encs), 1), queued_ns, dtype=np.int64))
+            ids, mask = pad_rows([encoded[i, row].ids for row in range(len(texts))], self.pad_id)
+            queued = pb_utils.Tensor(QUEUED, np.full((len(texts), 1), queued_ns, dtype=np.int64))
             counts = pb_utils.Tensor(TOKEN_COUNT, mask.sum(axis=1, keepdims=True))
             tensors = [pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued, counts]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))

@@ -11,10 +11,16 @@ import json
 TEXT = "TEXT"
 """The ensemble's and the tokenizer's input: UTF-8 texts, BYTES ``[n_texts, 1]``."""
 
+PROMPT_NAME = "PROMPT_NAME"
+"""Optional input of the ensemble and the tokenizer, BYTES ``[n_texts, 1]``: each text's prompt name."""
+
+TRUNCATE = "TRUNCATE"
+"""Optional input of the ensemble and the tokenizer, BYTES ``[n_texts, 1]``: END, START or NONE per text."""
+
 TOKENS = ("input_ids", "attention_mask")
 """Tensors from the tokenizer to the encoder, int64 ``[n_texts, T]``: token ids and the mask (1 = real token)."""
 
-TOKEN_COUNT = "token_count"
+TOKEN_COUNT = "token_count"  # noqa: S105 - a tensor name
 """Tensor from the tokenizer, the ensemble's ``TOKEN_COUNT``, int64 ``[n_texts, 1]``: tokens the encoder sees per text
 (special tokens included, after truncation), for usage accounting."""
 

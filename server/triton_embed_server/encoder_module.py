@@ -54,7 +54,8 @@ def describe(st_model, model_path: Path) -> dict:
         ``{"transformer_path": Path, "pooling": "mean"|"cls", "dim": int, "max_seq_length": int}``.
 
     Raises:
-        ValueError: another module layout (Dense layers, a non-BERT tokenizer module) or an unsupported pooling.
+        ValueError: another module layout (Dense layers, a non-BERT tokenizer module), an unsupported pooling, or
+            pooling that leaves the prompt's tokens out.
     """
     modules = json.loads((model_path / "modules.json").read_text())
     kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
@@ -63,6 +64,10 @@ def describe(st_model, model_path: Path) -> dict:
     pooling = st_model[1].get_config_dict().get("pooling_mode")
     if pooling not in ("mean", "cls"):
         raise ValueError(f"{model_path}: pooling_mode {pooling!r} is not supported; supported: mean, cls")
+    if st_model[1].get_config_dict().get("include_prompt", True) is False:
+        raise ValueError(
+            f"{model_path}: Pooling include_prompt=false (prompt tokens left out of pooling) is not supported"
+        )
     # get_embedding_dimension in sentence-transformers >= 6, get_sentence_embedding_dimension before it.
     get_dim = getattr(st_model, "get_embedding_dimension", None) or st_model.get_sentence_embedding_dimension
     return {

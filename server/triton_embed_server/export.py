@@ -6,6 +6,8 @@ Writes two artifacts, both git-ignored:
   doing the transformer, pooling over the mask and L2 normalisation.
 * ``tokenizer/1/tokenizer.json``: the fast tokenizer with truncation set to the model's ``max_seq_length`` (as
   sentence-transformers truncates) and padding switched off (the backends pad per request / per batch).
+* ``tokenizer/1/prompts.json``: the model's sentence-transformers ``prompts`` (name -> text put in front of a text)
+  and ``default_prompt_name``, which the tokenizer applies.
 
 Before anything is written, the exported pair (our tokenizer file + the traced module) is compared with
 ``SentenceTransformer.encode(..., normalize_embeddings=True)`` on texts of many lengths; a max abs difference of
@@ -109,7 +111,8 @@ def exporter_digest() -> str:
 def is_up_to_date(model_path: Path, repository: Path) -> bool:
     """True when the artifacts exist and the manifest names the same source and exporter."""
     manifest = repository / "encoder" / "1" / MANIFEST_NAME
-    needed = [manifest, repository / "encoder" / "1" / "model.pt", repository / "tokenizer" / "1" / "tokenizer.json"]
+    needed = [manifest, repository / "encoder" / "1" / "model.pt"]
+    needed += [repository / "tokenizer" / "1" / name for name in ("tokenizer.json", "prompts.json")]
     if not all(p.is_file() for p in needed):
         return False
     old = json.loads(manifest.read_text())
@@ -196,7 +199,10 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         tok_file = Path(tmp) / "tokenizer.json"
         tokenizer.save(str(tok_file))
         served = _embed_like_server(Tokenizer.from_file(str(tok_file)), traced, CHECK_TEXTS)
-    reference = st.encode(CHECK_TEXTS, normalize_embeddings=True, convert_to_numpy=True, batch_size=len(CHECK_TEXTS))
+    # prompt="": the check compares the encoder on the texts themselves; the tokenizer step adds prompts
+    reference = st.encode(
+        CHECK_TEXTS, prompt="", normalize_embeddings=True, convert_to_numpy=True, batch_size=len(CHECK_TEXTS)
+    )
     diff = np.abs(served - reference).max(axis=1)
     worst = int(diff.argmax())
     if diff[worst] >= MAX_ABS_DIFF:
@@ -220,6 +226,8 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         max_abs_diff=float(diff.max()),
     )
     _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
+    prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
+    _atomic_write(repository / "tokenizer" / "1" / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
     _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
     _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
     for cfg in set_config_dims(repository, manifest.dim):
