@@ -28,12 +28,12 @@ TEXTS = [
 
 
 @contextlib.contextmanager
-def gateway_running(triton_url: str, log: Path, *extra: str):
-    """``python -m triton_embed_gateway`` on a free port; yields its base URL; stopped (and reaped) on exit."""
+def gateway_running(triton_url: str, log: Path, *extra: str, program: tuple[str, ...] = ("-m", "triton_embed_gateway")):
+    """``python -m triton_embed_gateway`` (or ``program``) on a free port; yields its base URL; stopped on exit."""
     from triton_embed_server.embedded import free_port
 
     port = free_port()
-    command = [sys.executable, "-m", "triton_embed_gateway", "--triton", triton_url, "--port", str(port), *extra]
+    command = [sys.executable, *program, "--triton", triton_url, "--port", str(port), *extra]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -333,3 +333,11 @@ def test_dimensions_keeps_the_first_components_renormalised(gateway, reference):
     assert served.shape == (3, 128)
     assert cosines(served, head).min() >= 0.9999
     np.testing.assert_allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)
+
+
+def test_the_cli_runs_the_gateway_alone_against_a_triton_url(server, tmp_path):
+    """`triton-embed gateway --triton HOST:PORT`, as a user runs it beside any Triton."""
+    program = ("-m", "triton_embed.cli", "gateway")
+    with gateway_running(server.grpc_url, tmp_path / "gateway.log", program=program) as base:
+        status, answer, _ = post(f"{base}/v1/embeddings", {"input": "from the CLI's gateway"})
+        assert status == 200 and len(answer["data"][0]["embedding"]) == 384

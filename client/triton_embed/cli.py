@@ -7,6 +7,7 @@
     triton-embed health
     triton-embed --url 10.0.0.5:8001 health                               # options before or after the subcommand
     triton-embed stats                                                    # per-step latency breakdown
+    triton-embed gateway --triton 127.0.0.1:8001 --port 8080              # the OpenAI/TEI HTTP API
 
 URL and protocol: ``--url``/``--protocol``, else ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL``, else gRPC on
 127.0.0.1:8001; a url scheme (``http://``, ``grpc://``) picks the protocol.
@@ -78,7 +79,21 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("b")
     sub.add_parser("health", parents=[common], help="server liveness/readiness and the model's readiness")
     sub.add_parser("stats", parents=[common], help="per-step counters and queue/compute times since start")
+    sub.add_parser(
+        "gateway", add_help=False, help="serve the OpenAI/TEI embeddings HTTP API in front of Triton (gateway --help)"
+    )
     return parser
+
+
+def _gateway(argv: list[str]) -> int:
+    """``gateway``: ``triton-embed-gateway`` with the rest of the arguments (needs the ``gateway`` extra)."""
+    try:
+        from triton_embed_gateway.__main__ import main as gateway_main
+    except ImportError as exc:
+        print(f"triton-embed: the gateway needs the 'gateway' extra (pip install 'triton-embed[gateway]'): {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return gateway_main(argv)
 
 
 def _version() -> str:
@@ -132,6 +147,12 @@ def _embed(client: EmbeddingClient, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns 0, 1 on a service error (or ``health`` when the model is not ready), 2 on bad arguments."""
+    given = sys.argv[1:] if argv is None else argv
+    return _gateway(given[1:]) if given[:1] == ["gateway"] else _client_command(given)
+
+
+def _client_command(argv: list[str]) -> int:
+    """The subcommands that call the service through :class:`EmbeddingClient`."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "embed" and not args.texts and args.file is None and sys.stdin.isatty():
