@@ -14,11 +14,12 @@ def small_sentence_transformer(
     *,
     pooling: str = "mean",
     max_seq_length: int = 128,
+    normalize: bool = True,
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
 ) -> Path:
     """A sentence-transformers folder: a 2-layer BERT of width ``dim`` with random weights, the packaged tokenizer,
-    ``pooling`` and Normalize, and the given ``prompts``. Returns the model's folder."""
+    ``pooling``, a Normalize module when ``normalize``, and the given ``prompts``. Returns the model's folder."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as st_modules
@@ -34,7 +35,7 @@ def small_sentence_transformer(
     modules = [
         st_modules.Transformer(str(folder / "hf"), max_seq_length=max_seq_length),
         st_modules.Pooling(dim, pooling),
-        st_modules.Normalize(),
+        *([st_modules.Normalize()] if normalize else []),
     ]
     model = SentenceTransformer(modules=modules, device="cpu", prompts=prompts, default_prompt_name=default_prompt_name)
     model.save(str(folder / "model"))

@@ -13,13 +13,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+POOLINGS = ("mean", "cls", "lasttoken")
+"""sentence-transformers ``Pooling`` modes the exported encoder computes."""
+
 
 class PooledEncoder(torch.nn.Module):
     """Transformer + pooling + L2 normalisation, the computation of a Transformer/Pooling/Normalize pipeline.
 
     ``forward(input_ids int64 [B, T], attention_mask int64 [B, T]) -> float32 [B, dim]``, unit-norm rows.
     Pooling follows sentence-transformers' ``Pooling``: ``mean`` averages token embeddings where the mask is 1
-    (denominator clamped at 1e-9), ``cls`` takes the first token. Normalisation is ``F.normalize(p=2, dim=1)``, as
+    (denominator clamped at 1e-9), ``cls`` takes the first token, ``lasttoken`` the last token whose mask is 1 (rows
+    are padded on the right). Normalisation is ``F.normalize(p=2, dim=1)``, as
     sentence-transformers' ``Normalize`` and ``encode(normalize_embeddings=True)`` do.
 
     The transformer gets the additive attention mask ``[B, 1, 1, T]`` (0 where the mask is 1, the dtype's minimum
@@ -28,10 +32,12 @@ class PooledEncoder(torch.nn.Module):
     """
 
     def __init__(self, transformer: torch.nn.Module, pooling: str) -> None:
-        """Wrap ``transformer`` (called with ``return_dict=False``) and pool with ``pooling`` (``mean``/``cls``)."""
+        """Wrap ``transformer`` (called with ``return_dict=False``) and pool with ``pooling`` (one of ``POOLINGS``)."""
         super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r} is not supported; supported: {', '.join(POOLINGS)}")
         self.transformer = transformer
-        self.use_cls = pooling == "cls"
+        self.pooling = pooling
         self.mask_dtype = next(transformer.parameters()).dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -39,8 +45,11 @@ class PooledEncoder(torch.nn.Module):
         keep = attention_mask[:, None, None, :].to(self.mask_dtype)
         bias = (1.0 - keep) * torch.finfo(self.mask_dtype).min
         tokens = self.transformer(input_ids=input_ids, attention_mask=bias)[0]
-        if self.use_cls:
+        if self.pooling == "cls":
             pooled = tokens[:, 0]
+        elif self.pooling == "lasttoken":
+            last = (attention_mask.sum(1) - 1).clamp(min=0)  # gather, not arange: no device constant in the trace
+            pooled = tokens.gather(1, last[:, None, None].expand(-1, 1, tokens.size(2))).squeeze(1)
         else:
             mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
             pooled = (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -51,7 +60,7 @@ def describe(st_model, model_path: Path) -> dict:
     """Check that ``st_model`` is Transformer -> Pooling [-> Normalize] and return what the export needs.
 
     Returns:
-        ``{"transformer_path": Path, "pooling": "mean"|"cls", "dim": int, "max_seq_length": int}``.
+        ``{"transformer_path": Path, "pooling": one of POOLINGS, "dim": int, "max_seq_length": int}``.
 
     Raises:
         ValueError: another module layout (Dense layers, a non-BERT tokenizer module), an unsupported pooling, or
@@ -62,8 +71,8 @@ def describe(st_model, model_path: Path) -> dict:
     if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Normalize" for k in kinds[2:]):
         raise ValueError(f"{model_path}: modules {kinds} are not Transformer, Pooling[, Normalize]")
     pooling = st_model[1].get_config_dict().get("pooling_mode")
-    if pooling not in ("mean", "cls"):
-        raise ValueError(f"{model_path}: pooling_mode {pooling!r} is not supported; supported: mean, cls")
+    if pooling not in POOLINGS:
+        raise ValueError(f"{model_path}: pooling_mode {pooling!r} is not supported; supported: {', '.join(POOLINGS)}")
     if st_model[1].get_config_dict().get("include_prompt", True) is False:
         raise ValueError(
             f"{model_path}: Pooling include_prompt=false (prompt tokens left out of pooling) is not supported"

@@ -32,7 +32,6 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MAX_ABS_DIFF = 1e-5
 """Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
 MANIFEST_NAME = "export.json"
-SUPPORTED_POOLING = ("mean", "cls")
 
 # Texts of many lengths and scripts for the self-check: empty, one character, non-Latin scripts, emoji, and
 # texts past max_seq_length so truncation is checked too.
@@ -168,7 +167,7 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     Raises:
         ExportCheckError: the exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or the
             module holds a device constant or fails to run with weights and inputs on the ``meta`` device.
-        ValueError: the model's pooling is not one of ``SUPPORTED_POOLING`` or its tokenizer is not a fast one.
+        ValueError: the model's pooling is not one of ``encoder_module.POOLINGS`` or its tokenizer is not a fast one.
     """
     manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
     if not force and is_up_to_date(model_path, repository):
