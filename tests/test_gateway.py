@@ -341,3 +341,20 @@ def test_the_cli_runs_the_gateway_alone_against_a_triton_url(server, tmp_path):
     with gateway_running(server.grpc_url, tmp_path / "gateway.log", program=program) as base:
         status, answer, _ = post(f"{base}/v1/embeddings", {"input": "from the CLI's gateway"})
         assert status == 200 and len(answer["data"][0]["embedding"]) == 384
+
+
+def test_langchain_openai_embeddings_get_the_reference_vectors(gateway, reference):
+    """LangChain's OpenAIEmbeddings pointed at the gateway (no tiktoken length check: it would download a BPE)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(
+        model="all-MiniLM-L6-v2", base_url=f"{gateway}/v1", api_key="unused", check_embedding_ctx_length=False
+    )
+    documents = np.array(embeddings.embed_documents(TEXTS), dtype=np.float32)
+    query = np.array([embeddings.embed_query(TEXTS[0])], dtype=np.float32)
+    assert cosines(documents, reference_embed(reference, TEXTS)).min() >= 0.9999
+    assert cosines(query, reference_embed(reference, TEXTS[:1]))[0] >= 0.9999
+    shortened = OpenAIEmbeddings(
+        model="m", base_url=f"{gateway}/v1", api_key="unused", check_embedding_ctx_length=False, dimensions=64
+    )
+    assert len(shortened.embed_query(TEXTS[0])) == 64
