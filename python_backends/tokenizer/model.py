@@ -40,7 +40,7 @@ for _path in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
         sys.path.insert(0, _path)
         site.addsitedir(_path)  # its .pth files too: the editable install of triton_embed_protocol
 # Batches here are a few short texts: the Rust thread pool of encode_batch only fights the encoder's torch
-# threads for the cores (measured: tokenizer execution 4.1 ms -> 1.4 ms at 16 clients on 2 cores).
+# threads for the cores (docs/benchmarks.md, "Queue delay, chunks and threads").
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
