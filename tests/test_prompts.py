@@ -93,3 +93,47 @@ def test_tei_prompt_name_and_an_unknown_prompt(prompted):
     assert "'document_x'" in answer["error"]["message"] and "'passage'" in answer["error"]["message"], answer
     status, answer, _ = post(f"{gateway}/v1/embeddings", {"input": TEXTS, "dimensions": 33})
     assert status == 400 and "width is 32" in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_clients_take_the_prompt_and_dimensions(prompted, protocol):
+    import asyncio
+
+    from triton_embed import AsyncEmbeddingClient, EmbeddingClient
+
+    reference, server, _ = prompted
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    passage = reference.encode(TEXTS, prompt_name="passage")
+    head = reference.encode(TEXTS)[:, :8]
+    with EmbeddingClient(url=url, protocol=protocol, coalesce=True) as client:
+        np.testing.assert_allclose(client.embed(TEXTS, input_type="passage"), passage, atol=1e-5)
+        np.testing.assert_allclose(client.embed(TEXTS, input_type=""), reference.encode(TEXTS, prompt=""), atol=1e-5)
+        shortened = client.embed(TEXTS, dimensions=8)
+        np.testing.assert_allclose(shortened, head / np.linalg.norm(head, axis=1, keepdims=True), atol=1e-5)
+        with pytest.raises(ValueError, match="width 32; got 33"):
+            client.embed(TEXTS, dimensions=33)
+        with pytest.raises(ValueError, match="truncate must be one of"):
+            client.embed(TEXTS, truncate="LEFT")
+
+    async def asynchronous():
+        async with AsyncEmbeddingClient(url=url, protocol=protocol) as client:
+            return await client.embed(TEXTS, input_type="passage", dimensions=32)
+
+    np.testing.assert_allclose(asyncio.run(asynchronous()), passage, atol=1e-5)
+
+
+def test_the_cli_takes_the_prompt_and_dimensions(prompted):
+    import json
+    import subprocess
+    import sys
+
+    reference, server, _ = prompted
+    done = subprocess.run(
+        [sys.executable, "-m", "triton_embed.cli", "embed", "--url", server.grpc_url, "--json",
+         "--input-type", "passage", "--dimensions", "8", *TEXTS],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    served = np.array([row["embedding"] for row in json.loads(done.stdout)])
+    head = reference.encode(TEXTS, prompt_name="passage")[:, :8]
+    np.testing.assert_allclose(served, head / np.linalg.norm(head, axis=1, keepdims=True), atol=1e-5)

@@ -12,9 +12,10 @@ import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.coalesce import AsyncCoalescer
-from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim
+from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim, shorten
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
+from triton_embed.request_builder import CallOptions
 
 T = TypeVar("T")
 
@@ -87,23 +88,34 @@ class AsyncEmbeddingClient(ClientCore):
             raise from_triton(exc, model=self.model, url=self.url) from exc
 
     # -- embedding ----------------------------------------------------------------------------------------------------
-    async def embed(self, texts: TextsLike) -> Embeddings:
-        """Embed texts; row ``i`` belongs to text ``i``. Same inputs, result and errors as the sync client.
+    async def embed(
+        self,
+        texts: TextsLike,
+        *,
+        input_type: str | None = None,
+        truncate: str | None = None,
+        dimensions: int | None = None,
+    ) -> Embeddings:
+        """Embed texts; row ``i`` belongs to text ``i``. Same inputs, options, result and errors as the sync client.
 
         Returns:
             float32 ``(n, dim)``, rows L2-normalised; ``(0, dim)`` for no texts, without an inference request.
         """
+        options = CallOptions(input_type, truncate)
         items = as_texts(texts)
-        if not items:
-            return np.zeros((0, max_batch_and_dim(await self._run(self._get_model_config()))[1]), dtype=np.float32)
+        if dimensions is not None or not items:
+            width = max_batch_and_dim(await self._run(self._get_model_config()))[1]
+            shorten(np.zeros((0, width), dtype=np.float32), dimensions)  # checks dimensions against the width
+            if not items:
+                return np.zeros((0, dimensions or width), dtype=np.float32)
         if self._closing:
             raise self._closed_error()
         self._calls += 1
         self._idle.clear()
         try:
-            if self._coalescer is not None:
-                return await self._coalescer.run(items, self._embed_chunks)
-            return await self._embed_chunks(items)
+            if self._coalescer is not None and options == CallOptions():  # the coalescer keys on the texts alone
+                return shorten(await self._coalescer.run(items, self._embed_chunks), dimensions)
+            return shorten(await self._embed_chunks(items, options), dimensions)
         except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
             raise at_call_index(exc, items) from exc.__cause__
         finally:
@@ -117,15 +129,15 @@ class AsyncEmbeddingClient(ClientCore):
         vectors = await self.embed([a, b])
         return float(np.dot(vectors[0], vectors[1]))
 
-    async def _embed_chunks(self, items: list[str]) -> Embeddings:
+    async def _embed_chunks(self, items: list[str], options: CallOptions | None = None) -> Embeddings:
         chunks, dim = await self._run(self._chunked(items))
         if len(chunks) == 1:
-            return await self._run(self._infer(chunks[0], dim))
+            return await self._run(self._infer(chunks[0], dim, False, options))
         limit = asyncio.Semaphore(self.settings.max_concurrency)  # this list's chunks only
 
         async def chunk(texts: list[str]) -> Embeddings:
             async with limit:
-                return await self._run(self._infer(texts, dim, True))
+                return await self._run(self._infer(texts, dim, True, options))
 
         return np.concatenate(await asyncio.gather(*(chunk(c) for c in chunks)))
 

@@ -2,6 +2,7 @@
 
     triton-embed embed "A man plays a guitar." "Someone plays music."   # one vector per line
     triton-embed embed --file texts.txt --json                            # one text per line
+    triton-embed embed --input-type query --dimensions 128 "a question"   # prompt, Matryoshka width
     triton-embed similarity "A man plays a guitar." "Someone plays music."
     echo "text from stdin" | triton-embed embed --json
     triton-embed health
@@ -74,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
         help="how long the request may wait in the encoder's queue before the server refuses it as overloaded, ms "
         "(0 = never refuse, for bulk jobs; default: the server's LATENCY_BUDGET_MS)",
     )  # fmt: skip
+    embed.add_argument("--input-type", default=None, help="a prompt name of the model, e.g. query or passage")
+    embed.add_argument("--truncate", choices=("END", "START", "NONE"), default=None,
+                       help="cut a text over the token limit at its end, its start, or refuse it")  # fmt: skip
+    embed.add_argument("--dimensions", type=int, default=None, help="keep the first N components, renormalised")
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
@@ -130,7 +135,7 @@ def _embed(client: EmbeddingClient, args: argparse.Namespace) -> int:
         line.rstrip(b"\r\n") for line in (args.file or sys.stdin.buffer)
     ]
     try:
-        vectors = client.embed(texts)
+        vectors = client.embed(texts, input_type=args.input_type, truncate=args.truncate, dimensions=args.dimensions)
     except EmbeddingError as exc:
         if from_lines:
             raise type(exc)(_with_line_numbers(str(exc))) from exc

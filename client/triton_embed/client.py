@@ -14,9 +14,10 @@ import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.coalesce import Coalescer
-from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim
+from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim, shorten
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
+from triton_embed.request_builder import CallOptions
 from triton_embed.settings import normalise_url
 
 __all__ = ["EmbeddingClient", "Health", "normalise_url"]
@@ -128,37 +129,56 @@ class EmbeddingClient(ClientCore):
         return self._run(self._get_model_config())
 
     # -- embedding ----------------------------------------------------------------------------------------------------
-    def embed(self, texts: TextsLike) -> Embeddings:
+    def embed(
+        self,
+        texts: TextsLike,
+        *,
+        input_type: str | None = None,
+        truncate: str | None = None,
+        dimensions: int | None = None,
+    ) -> Embeddings:
         """Embed texts; row ``i`` belongs to text ``i``.
 
         Args:
             texts: a str, bytes, a list/tuple/generator of str or UTF-8 bytes, or a NumPy array of ``<U``, ``|S``
                 or object dtype, shape ``(n,)`` or ``(n, 1)``. Lists longer than :attr:`max_batch_size` are sent
                 as several requests, up to ``max_concurrency`` at once, and reassembled in order.
+            input_type: the name of one of the model's sentence-transformers prompts (``"query"``, ``"passage"``,
+                ...), put in front of each text as sentence-transformers does; ``""``: none; None: the model's
+                default prompt, if it has one.
+            truncate: ``"END"`` (a text over ``max_seq_length`` tokens loses its end, as sentence-transformers cuts
+                it), ``"START"`` (loses its start) or ``"NONE"`` (``InvalidInputError``); None: the client's
+                ``truncate`` setting, else the server's ``TRUNCATION``. Unlike that setting, part of the cache key.
+            dimensions: keep the first ``dimensions`` components, renormalised (Matryoshka); how well they
+                retrieve depends on the model's training. None: all.
 
         Returns:
-            float32 array ``(n, dim)`` (dim 384 for all-MiniLM-L6-v2), rows L2-normalised. An empty input gives
-            ``(0, dim)`` without an inference request.
+            float32 array ``(n, dim)`` (dim 384 for all-MiniLM-L6-v2, or ``dimensions``), rows L2-normalised. An
+            empty input gives ``(0, dim)`` without an inference request.
 
         Raises:
+            ValueError: ``input_type``, ``truncate`` or ``dimensions`` out of range (before anything is sent).
             InvalidInputError: a text is not str/UTF-8 (raised before anything is sent), or the server rejected
-                the input (the message names the limit and the value).
+                the input (the message names the limit and the value, e.g. an unknown prompt name).
             ServerUnavailableError: unreachable, not ready or overloaded after the retries.
             EmbeddingTimeoutError: an attempt took longer than ``timeout_s``.
             ServerError: the server failed on a valid request.
         """
+        options = CallOptions(input_type, truncate)
         items = as_texts(texts)
+        if dimensions is not None or not items:
+            shorten(np.zeros((0, self.dim), dtype=np.float32), dimensions)  # checks dimensions against the width
         if not items:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return np.zeros((0, dimensions or self.dim), dtype=np.float32)
         self._own_process()  # a forked child counts this call on its own state, not on the parent's copy
         with self._idle:
             if self._closing:
                 raise self._closed_error()
             self._calls += 1
         try:
-            if self._coalescer is not None:
-                return self._coalescer.run(items, self._embed_chunks)
-            return self._embed_chunks(items)
+            if self._coalescer is not None and options == CallOptions():  # the coalescer keys on the texts alone
+                return shorten(self._coalescer.run(items, self._embed_chunks), dimensions)
+            return shorten(self._embed_chunks(items, options), dimensions)
         except InvalidInputError as exc:  # the server's row counts within one request: name the caller's index
             raise at_call_index(exc, items) from exc.__cause__
         finally:
@@ -172,15 +192,15 @@ class EmbeddingClient(ClientCore):
         vectors = self.embed([a, b])
         return float(np.dot(vectors[0], vectors[1]))
 
-    def _embed_chunks(self, items: list[str]) -> Embeddings:
+    def _embed_chunks(self, items: list[str], options: CallOptions | None = None) -> Embeddings:
         chunks, dim = self._run(self._chunked(items))
         if len(chunks) == 1:
-            return self._run(self._infer(chunks[0], dim))
+            return self._run(self._infer(chunks[0], dim, False, options))
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="triton-embed")
             executor = self._executor
-        return np.concatenate(list(executor.map(lambda c: self._run(self._infer(c, dim, True)), chunks)))
+        return np.concatenate(list(executor.map(lambda c: self._run(self._infer(c, dim, True, options)), chunks)))
 
     # -- health and statistics ----------------------------------------------------------------------------------------
     def health(self) -> Health:

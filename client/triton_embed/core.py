@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, ParamSpec, TypeAlias, TypeVar
 
+import numpy as np
+
 from triton_embed import server_stats
 from triton_embed.client_stats import ClientStats, Counters
 from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
 from triton_embed.inputs import Embeddings
-from triton_embed.request_builder import OUTPUT, RequestBuilder
+from triton_embed.request_builder import OUTPUT, CallOptions, RequestBuilder
 from triton_embed.settings import Settings, copied
 from triton_embed.shm import Region, ShmPool, close_pool_at_exit, region_in_use, release_pauses
 
@@ -110,6 +112,24 @@ def max_batch_and_dim(config: dict[str, Any]) -> tuple[int, int]:
     """``(max_batch_size, embedding width)`` from a model config in JSON form."""
     output = next(o for o in config["output"] if o["name"] == OUTPUT)
     return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
+
+
+def shorten(vectors: Embeddings, dimensions: int | None) -> Embeddings:
+    """The first ``dimensions`` components of each row, renormalised to unit length (Matryoshka); all for None.
+
+    How well shortened vectors retrieve depends on the model's training; any model's vectors can be cut.
+
+    Raises:
+        ValueError: ``dimensions`` is not an int from 1 to the rows' width.
+    """
+    if dimensions is None:
+        return vectors
+    width = vectors.shape[1]
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= width:
+        raise ValueError(f"dimensions must be an int from 1 to the model's width {width}; got {dimensions!r}")
+    head = vectors[:, :dimensions]
+    out: Embeddings = (head / np.maximum(np.linalg.norm(head, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+    return out
 
 
 def chunks(items: list[str], size: int) -> list[list[str]]:
@@ -304,19 +324,23 @@ class ClientCore:
         size, dim = max_batch_and_dim((yield from self._get_model_config()))
         return chunks(items, size), dim
 
-    def _infer(self, texts: list[str], dim: int, bulk: bool = False) -> Steps[Embeddings]:
+    def _infer(
+        self, texts: list[str], dim: int, bulk: bool = False, options: CallOptions | None = None
+    ) -> Steps[Embeddings]:
         """Embed one chunk, ``(len(texts), dim)`` float32, retried after retryable errors.
 
         ``bulk``: the chunk is one of several of one call (see :meth:`RequestBuilder.infer_kwargs`).
         """
-        return (yield from self._retrying(self._infer_once, texts, dim, bulk))
+        return (yield from self._retrying(self._infer_once, texts, dim, bulk, options))
 
-    def _infer_once(self, texts: list[str], dim: int, bulk: bool = False) -> Steps[Embeddings]:
+    def _infer_once(
+        self, texts: list[str], dim: int, bulk: bool = False, options: CallOptions | None = None
+    ) -> Steps[Embeddings]:
         if self._closed:  # a call that outlived close() fails here, before it takes a region
             raise self._closed_error()
         pool, region = yield from self._acquire_region(texts, dim)
         try:
-            inputs, outputs, sent = self._builder.build(texts, dim, region)
+            inputs, outputs, sent = self._builder.build(texts, dim, region, options)
             try:
                 result = yield from self._request(
                     "infer",

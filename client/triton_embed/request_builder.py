@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -18,6 +19,31 @@ from triton_embed.shm import Region, output_offset
 
 INPUT = "TEXT"
 OUTPUT = "EMBEDDING"
+PROMPT_NAME, TRUNCATE = "PROMPT_NAME", "TRUNCATE"
+TRUNCATIONS = ("END", "START", "NONE")
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """Per-call choices sent as the ensemble's optional inputs (part of the response cache's key).
+
+    ``prompt_name``: one of the model's sentence-transformers prompts (``""`` for none; None: the model's default);
+    ``truncate``: ``END``, ``START`` or ``NONE`` (None: the server's ``TRUNCATION`` and the client's ``truncate``).
+    """
+
+    prompt_name: str | None = None
+    truncate: str | None = None
+
+    def __post_init__(self) -> None:
+        """Check the values.
+
+        Raises:
+            ValueError: ``prompt_name`` not a str, or ``truncate`` not one of ``TRUNCATIONS``.
+        """
+        if self.prompt_name is not None and not isinstance(self.prompt_name, str):
+            raise ValueError(f"input_type must be a prompt name (str); got {self.prompt_name!r}")
+        if self.truncate is not None and self.truncate not in TRUNCATIONS:
+            raise ValueError(f"truncate must be one of {list(TRUNCATIONS)}; got {self.truncate!r}")
 
 
 def text_tensor(texts: list[str]) -> npt.NDArray[np.object_]:
@@ -60,8 +86,14 @@ class RequestBuilder:
             kwargs["parameters"] = parameters
         return kwargs
 
-    def build(self, texts: list[str], dim: int, region: Region | None = None) -> tuple[list[Any], list[Any], int]:
-        """Return ``(inputs, outputs, sent_bytes)``; with ``region`` the tensors travel through shared memory."""
+    def build(
+        self, texts: list[str], dim: int, region: Region | None = None, options: CallOptions | None = None
+    ) -> tuple[list[Any], list[Any], int]:
+        """Return ``(inputs, outputs, sent_bytes)``.
+
+        With ``region``, ``TEXT`` and ``EMBEDDING`` travel through shared memory; ``options`` add the
+        ``PROMPT_NAME`` / ``TRUNCATE`` inputs, over the network.
+        """
         data = text_tensor(texts)
         tensor = self.module.InferInput(INPUT, list(data.shape), "BYTES")
         output = (
@@ -79,11 +111,21 @@ class RequestBuilder:
             tensor.set_data_from_numpy(data, binary_data=self.settings.binary)
         else:
             tensor.set_data_from_numpy(data)
+        inputs = [tensor]
+        chosen = options or CallOptions()
+        for name, value in ((PROMPT_NAME, chosen.prompt_name), (TRUNCATE, chosen.truncate)):
+            if value is not None:
+                extra = text_tensor([value] * len(texts))
+                inputs.append(self.module.InferInput(name, list(extra.shape), "BYTES"))
+                if self.http:
+                    inputs[-1].set_data_from_numpy(extra, binary_data=self.settings.binary)
+                else:
+                    inputs[-1].set_data_from_numpy(extra)
         sent = 0
         if self.http:
-            body, _ = self.module.InferenceServerClient.generate_request_body([tensor], outputs=[output])
+            body, _ = self.module.InferenceServerClient.generate_request_body(inputs, outputs=[output])
             sent = len(body)
-        return [tensor], [output], sent
+        return inputs, [output], sent
 
     @staticmethod
     def region_bytes(texts: list[str], dim: int) -> int:
