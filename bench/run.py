@@ -7,9 +7,12 @@ a. ``in-process``: ``SentenceTransformer.encode`` at batch 32 (the throughput ce
 b. ``naive``: bench/naive_server.py, FastAPI + JSON + PyTorch, one encode per request, under uvicorn.
 c. ``triton-fixed128``: our service with every batch padded to 128 tokens (the common fixed-shape setup).
 d. ``triton-buckets``: our service as shipped (length buckets, ragged batching).
+e. ``gateway``: the same service through the HTTP gateway (OpenAI ``/v1/embeddings``, float JSON), against d's
+   figures: the p50 it adds at concurrency 1, its throughput at the knee, and base64's response size against float's.
 
-b-d get single-sentence requests in a closed loop at increasing concurrency (gRPC for Triton, HTTP/JSON for the
-naive server). Triton runs with the response cache off, so repeated sentences are really computed. Writes
+b-e get single-sentence requests in a closed loop at increasing concurrency (gRPC for Triton, HTTP/JSON for the
+naive server and the gateway). Triton runs with the response cache off, so repeated sentences are really computed.
+Writes
 ``bench.{md,json,png}`` into ``--out`` (default ``bench/runs/<time>/``, not tracked by git) and prints the table;
 ``--out docs/benchmarks`` replaces the run the docs cite.
 """
@@ -133,9 +136,13 @@ def variant_repository(
     Raises:
         ValueError: the shipped encoder config lacks a value this function rewrites.
     """
+    from triton_embed_server.export import ARTIFACTS
+
     src = ROOT / "model_repository"
-    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "export.json"))
-    for name in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
+    shutil.copytree(
+        src, dst, symlinks=True, ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))]
+    )
+    for name in ARTIFACTS:
         (dst / name).symlink_to(src / name)
     embed = dst / "embed" / "config.pbtxt"
     embed.write_text(embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }"))
@@ -159,8 +166,50 @@ def variant_repository(
     return dst
 
 
-def triton_system(texts: list[str], levels: list[int], duration: float, sla: float, *, fixed_length: int | None):
-    """Start the embedded server on a variant repository and sweep it with single-sentence gRPC requests."""
+def gateway_system(grpc_url: str, texts: list[str], levels: list[int], duration: float, sla: float):
+    """Start the gateway in front of ``grpc_url`` and sweep it with single-sentence OpenAI requests (float JSON).
+
+    Returns:
+        (levels, response bytes of one 16-text answer as ``{"float": n, "base64": n}``).
+    """
+    from triton_embed_server.embedded import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "triton_embed_gateway", "--triton", grpc_url, "--port", str(port)]
+    proc = subprocess.Popen(command, cwd=ROOT)  # noqa: S603 - our own module
+    try:
+        wait_http("127.0.0.1", port, "/ready", timeout_s=60)
+
+        def post(conn: http.client.HTTPConnection, body: dict) -> bytes:
+            conn.request("POST", "/v1/embeddings", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            payload = response.read()
+            if response.status != 200:
+                raise RuntimeError(payload[:200])
+            return payload
+
+        def make_sender():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            return lambda text: post(conn, {"model": "m", "input": [text]})
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        sizes = {fmt: len(post(conn, {"input": texts[:16], "encoding_format": fmt})) for fmt in ("float", "base64")}
+        return sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla), sizes
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def triton_system(
+    texts: list[str], levels: list[int], duration: float, sla: float, *, fixed_length: int | None, gateway: bool = False
+):
+    """Start the embedded server on a variant repository and sweep it with single-sentence gRPC requests.
+
+    With ``gateway``, sweep the gateway in front of it instead (:func:`gateway_system`).
+
+    Returns:
+        (levels, the encoder's average batch over the run, extra figures for the report).
+    """
     import tritonclient.grpc as grpcclient
     from triton_embed_server.embedded import EmbeddedServer
 
@@ -179,11 +228,15 @@ def triton_system(texts: list[str], levels: list[int], duration: float, sla: flo
 
                 return send
 
-            levels_out = sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
+            extra = {}
+            if gateway:
+                levels_out, extra["response_bytes"] = gateway_system(srv.grpc_url, texts, levels, duration, sla)
+            else:
+                levels_out = sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
             stats = grpcclient.InferenceServerClient(srv.grpc_url).get_inference_statistics("encoder", as_json=True)
             enc = stats["model_stats"][0]
             avg_batch = int(enc.get("inference_count", 0)) / max(1, int(enc.get("execution_count", 0)))
-            return levels_out, avg_batch
+            return levels_out, avg_batch, extra
 
 
 def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace) -> str:
@@ -215,10 +268,30 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
         failed = [f"{lv['errors']} at concurrency {lv['concurrency']}" for lv in data["levels"] if lv["errors"]]
         if failed:  # a level with errors never counts as the best, so the table above does not show them
             lines.append(f"\n{name}: requests failed ({', '.join(failed)}); those levels were not eligible.")
+    lines += gateway_lines(results["systems"])
     for name, data in results["systems"].items():
         if "avg_encoder_batch" in data:
             lines.append(f"\n{name}: average encoder batch over the run {data['avg_encoder_batch']:.1f} requests.")
     return "\n".join(lines) + "\n"
+
+
+def gateway_lines(systems: dict) -> list[str]:
+    """The gateway against direct gRPC (``triton-buckets``), when the run has both."""
+    if "gateway" not in systems or "triton-buckets" not in systems:
+        return []
+    gateway, grpc = systems["gateway"], systems["triton-buckets"]
+    added = gateway["levels"][0]["p50_ms"] - grpc["levels"][0]["p50_ms"]
+    ratio = (
+        f"{gateway['best']['throughput'] / grpc['best']['throughput']:.2f}x"
+        if gateway["best"] and grpc["best"]
+        else "n/a (a system had no level under the SLA)"
+    )
+    sizes = gateway["response_bytes"]
+    return [
+        f"\ngateway vs gRPC: p50 at concurrency 1 {added:+.1f} ms; best throughput under the SLA {ratio}; "
+        f"a 16-text answer is {sizes['float']} bytes as float JSON, {sizes['base64']} as base64 "
+        f"({sizes['float'] / sizes['base64']:.1f}x smaller)."
+    ]
 
 
 def plot(results: dict, sla: float, path: Path) -> None:
@@ -253,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32, 48, 64])
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
     parser.add_argument("--sla-ms", type=float, default=200.0)
-    parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets")
+    parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets,gateway")
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
     args = parser.parse_args(argv)
 
@@ -280,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
             levels = naive_system(texts, args.levels, args.duration, args.sla_ms)
         else:
             fixed = 128 if name == "triton-fixed128" else None
-            levels, extra["avg_encoder_batch"] = triton_system(
-                texts, args.levels, args.duration, args.sla_ms, fixed_length=fixed
+            levels, extra["avg_encoder_batch"], more = triton_system(
+                texts, args.levels, args.duration, args.sla_ms, fixed_length=fixed, gateway=name == "gateway"
             )
+            extra.update(more)
         best = best_under_sla(levels, args.sla_ms)
         results["systems"][name] = {
             "levels": [asdict(lv) for lv in levels],

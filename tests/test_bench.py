@@ -17,13 +17,15 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     )
     assert code == 0
     results = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets"}
+    assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets", "gateway"}
     for name, data in results["systems"].items():
         assert [lv["concurrency"] for lv in data["levels"]][0] == 1, name  # the sweep may stop early past the SLA
         assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in data["levels"]), name
     assert results["ceiling"]["throughput"] > 0
     table = (tmp_path / "out" / "bench.md").read_text()
-    assert "| triton-buckets |" in table and "x ceiling" in table
+    assert "| triton-buckets |" in table and "| gateway |" in table and "x ceiling" in table
+    sizes = results["systems"]["gateway"]["response_bytes"]
+    assert sizes["base64"] < sizes["float"] and "gateway vs gRPC: p50 at concurrency 1" in table
     assert (tmp_path / "out" / "bench.png").stat().st_size > 10_000
 
 
@@ -39,6 +41,7 @@ def test_variant_keeps_the_artifacts_linked(tmp_path, fixed):
     repo = bench_run.variant_repository(tmp_path / "repo", fixed_length=fixed)
     assert (repo / "encoder" / "1" / "model.pt").resolve().is_file()
     assert (repo / "tokenizer" / "1" / "tokenizer.json").resolve().is_file()
+    assert (repo / "tokenizer" / "1" / "prompts.json").resolve().is_file()
 
 
 def test_levels_with_failed_requests_are_named_under_the_table():

@@ -32,6 +32,13 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MAX_ABS_DIFF = 1e-5
 """Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
 MANIFEST_NAME = "export.json"
+ARTIFACTS = (
+    "encoder/1/model.pt",
+    f"encoder/1/{MANIFEST_NAME}",
+    "tokenizer/1/tokenizer.json",
+    "tokenizer/1/prompts.json",
+)
+"""What ``make model`` writes into the model repository (git-ignored); the rest of the repository is configs."""
 
 # Texts of many lengths and scripts for the self-check: empty, one character, non-Latin scripts, emoji, and
 # texts past max_seq_length so truncation is checked too.
@@ -110,9 +117,7 @@ def exporter_digest() -> str:
 def is_up_to_date(model_path: Path, repository: Path) -> bool:
     """True when the artifacts exist and the manifest names the same source and exporter."""
     manifest = repository / "encoder" / "1" / MANIFEST_NAME
-    needed = [manifest, repository / "encoder" / "1" / "model.pt"]
-    needed += [repository / "tokenizer" / "1" / name for name in ("tokenizer.json", "prompts.json")]
-    if not all(p.is_file() for p in needed):
+    if not all((repository / name).is_file() for name in ARTIFACTS):
         return False
     old = json.loads(manifest.read_text())
     return (
