@@ -57,8 +57,8 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
         # reach another replica, or this one restarted
         cls = ServerUnavailableError
     if "is not healthy" in message:
-        # A crashed Python backend stub (Triton reports INTERNAL): the server's watchdog reloads the model within
-        # seconds, so for the caller it is a temporary outage that a retry gets past.
+        # A crashed Python backend stub (Triton reports INTERNAL), a Triton 2.51 workaround (docs/troubleshooting.md):
+        # the server's watchdog reloads the model within seconds, so for the caller it is an outage a retry gets past.
         cls = ServerUnavailableError
     if cls is None:
         lowered = message.lower()

@@ -193,13 +193,15 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
         Route("/v1/models", route("/v1/models", models), methods=["GET"]),
         Route("/health", route("/health", health), methods=["GET"]),
         Route("/ready", route("/ready", ready), methods=["GET"]),
-        Route("/metrics", metrics_page, methods=["GET"]),
+        Route("/metrics", route("/metrics", metrics_page), methods=["GET"]),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         path = f"{request.method} {request.url.path}"
-        return error_response(ApiError(status, f"{path}: {getattr(exc, 'detail', exc)}", code="not_found"))
+        response = error_response(ApiError(status, f"{path}: {getattr(exc, 'detail', exc)}", code="not_found"))
+        response.headers["X-Request-Id"] = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return response
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

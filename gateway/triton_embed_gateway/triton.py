@@ -3,7 +3,8 @@
 One channel serves every request. A list longer than the ensemble's ``max_batch_size`` is sent as several requests
 at once (never refused as overloaded, as the client library sends them) and reassembled in order. Triton's errors
 become :class:`~triton_embed_gateway.protocol.ApiError`: bad input -> 400 (a row number is turned into the caller's
-index), overloaded, draining or not ready -> 503 with ``Retry-After``, a deadline passed -> 504, anything else -> 502.
+index); overloaded, draining, not ready or a backend stub being reloaded -> 503 with ``Retry-After``; a deadline
+passed -> 504; anything else -> 502.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def api_error(
         if _PROMPT_ROW.search(message):
             param, message = prompt_field, _PROMPT_ROW.sub(f"'{prompt_field}'", message)
         return ApiError(400, message, param=param, code="invalid_value")
-    if "UNAVAILABLE" in status or "NOT_FOUND" in status:
+    # a dead backend stub answers INTERNAL "... is not healthy" until the watchdog's reload (a Triton 2.51 workaround,
+    # docs/troubleshooting.md): an outage of seconds
+    if "UNAVAILABLE" in status or "NOT_FOUND" in status or "is not healthy" in message:
         return ApiError(503, message, code="overloaded_or_not_ready", retry_after_s=RETRY_AFTER_S)
     if "DEADLINE_EXCEEDED" in status:
         return ApiError(504, message, code="timeout")

@@ -55,6 +55,8 @@ from triton_embed_protocol import (
     TOKENS,
     TRUNCATE,
     RequestError,
+    config_number,
+    config_parameters,
     request_parameters,
 )
 
@@ -160,8 +162,11 @@ class TritonPythonModel:
         prompts = json.loads(prompts_file.read_text()) if prompts_file.is_file() else {}
         self.prompts: dict[str, str] = prompts.get("prompts", {})
         self.default_prompt: str | None = prompts.get("default_prompt_name")
-        params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
-        self.max_text_bytes = int(params.get("MAX_TEXT_BYTES", "65536"))
+        params = config_parameters(self.model_config)
+        try:
+            self.max_text_bytes = config_number(params, "MAX_TEXT_BYTES", "65536", minimum=1, integer=True)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
         self.truncate = params.get("TRUNCATION", "truncate")
         if self.truncate not in ("truncate", "error"):
             raise pb_utils.TritonModelException(

@@ -45,7 +45,14 @@ from buckets import BucketConfigError, settings_from_model_config
 from metric_lifetime import keep
 from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, request_budget_ms, shed
 from runners import BucketedRunner, load_module
-from triton_embed_protocol import QUEUED, TOKENS, RequestError, request_parameters
+from triton_embed_protocol import (
+    QUEUED,
+    TOKENS,
+    RequestError,
+    config_number,
+    config_parameters,
+    request_parameters,
+)
 
 OUTPUT = "embedding__0"
 
@@ -133,13 +140,13 @@ class TritonPythonModel:
         self.max_seq_length = int(manifest["max_seq_length"])
         self.vocab_size = int(manifest["vocab_size"])
 
-        params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
-        threads = int(params.get("TORCH_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
-        self.latency_budget_ms = float(params.get("LATENCY_BUDGET_MS", "0"))
-        self.refusal_hold_ns = int(float(params.get("REFUSAL_HOLD_MS", "0")) * 1e6)
-        for name, value in (("LATENCY_BUDGET_MS", self.latency_budget_ms), ("REFUSAL_HOLD_MS", self.refusal_hold_ns)):
-            if value < 0:
-                raise pb_utils.TritonModelException(f"parameter {name} must be >= 0; got {value:g}")
+        params = config_parameters(self.model_config)
+        try:
+            threads = config_number(params, "TORCH_NUM_THREADS", "0", integer=True) or len(os.sched_getaffinity(0))
+            self.latency_budget_ms = config_number(params, "LATENCY_BUDGET_MS", "0")
+            self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
         torch.set_num_threads(threads)
 
         if args.get("model_instance_kind") == "GPU":

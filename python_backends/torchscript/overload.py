@@ -25,7 +25,7 @@ MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` a request may carry, ms (an hour; 0 is "never refuse" for longer jobs)."""
 METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
-METRIC_HELP = "Requests answered UNAVAILABLE because they could not finish within LATENCY_BUDGET_MS"
+METRIC_HELP = "Requests answered UNAVAILABLE because they waited longer than LATENCY_BUDGET_MS in the queue"
 
 
 class BudgetError(ValueError):

@@ -40,3 +40,25 @@ def request_parameters(parameters: str | None) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def config_parameters(model_config: dict) -> dict[str, str]:
+    """A model config's ``parameters`` as ``{key: string_value}``."""
+    return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+
+
+def config_number(parameters: dict[str, str], key: str, default: str, *, minimum: float = 0, integer: bool = False):
+    """Config parameter ``key`` as a number >= ``minimum`` (an int with ``integer``), ``default`` when absent.
+
+    Raises:
+        ValueError: the value is not such a number; the message names the knob, the limit and the value.
+    """
+    text = parameters.get(key, default)
+    kind = "an integer" if integer else "a number"
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        raise ValueError(f"config parameter {key} must be {kind} >= {minimum:g}; got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"config parameter {key} must be {kind} >= {minimum:g}; got {text!r}")
+    return value

@@ -1,0 +1,34 @@
+"""A bad config knob fails the model's load at once, with the knob, the limit and the value in Triton's answer."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+from conftest import REPO_ROOT
+
+
+def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_path):
+    from triton_embed_server.embedded import EmbeddedServer, ServerError
+    from triton_embed_server.export import ARTIFACTS
+
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        REPO_ROOT / "model_repository", repo, ignore=lambda _, names: [n for n in names if n.endswith((".pt", ".json"))]
+    )
+    for name in ARTIFACTS:
+        (repo / name).symlink_to(REPO_ROOT / "model_repository" / name)
+    for model, knob, value in (("encoder", "LATENCY_BUDGET_MS", "abc"), ("tokenizer", "MAX_TEXT_BYTES", "0")):
+        config = repo / model / "config.pbtxt"
+        pattern = rf'(key: "{knob}"\s*value: {{ string_value: )"[^"]*"'
+        text, n = re.subn(pattern, rf'\1"{value}"', config.read_text())
+        assert n == 1, f"{config} has no {knob}"
+        config.write_text(text)
+    log = tmp_path / "tritonserver.log"
+    server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log)
+    with pytest.raises(ServerError), server:
+        pass
+    written = log.read_text()
+    assert "config parameter LATENCY_BUDGET_MS must be a number >= 0; got 'abc'" in written
+    assert "config parameter MAX_TEXT_BYTES must be an integer >= 1; got '0'" in written
