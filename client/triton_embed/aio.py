@@ -12,7 +12,7 @@ import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.coalesce import AsyncCoalescer
-from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim, shorten
+from triton_embed.core import Call, ClientCore, Done, Health, Sleep, Steps, advance, max_batch_and_dim, shorten
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
@@ -58,14 +58,8 @@ class AsyncEmbeddingClient(ClientCore):
 
     async def _run(self, steps: Steps[T]) -> T:
         """Run an operation of the core in this task: perform each step it yields, hand back what came of it."""
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                result: T = stop.value
-                return result
+        step = advance(steps)
+        while not isinstance(step, Done):
             value, error = None, None
             try:
                 if isinstance(step, Call):
@@ -76,6 +70,8 @@ class AsyncEmbeddingClient(ClientCore):
                     value = await asyncio.to_thread(step.fn, *step.args)
             except BaseException as exc:  # the operation decides (a cancellation runs its cleanup and goes on up)
                 error = exc
+            step = advance(steps, value, error)
+        return step.value
 
     async def _perform(self, call: Call) -> Any:
         """Await the tritonclient method, within ``call.wait_s`` if it has one; map its errors to ours."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.coalesce import Coalescer
-from triton_embed.core import Call, ClientCore, Health, Sleep, Steps, max_batch_and_dim, shorten
+from triton_embed.core import Call, ClientCore, Done, Health, Sleep, Steps, advance, max_batch_and_dim, shorten
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
@@ -97,14 +97,8 @@ class EmbeddingClient(ClientCore):
     def _run(self, steps: Steps[T]) -> T:
         """Run an operation of the core in this thread: perform each step it yields, hand back what came of it."""
         self._own_process()  # before the operation touches per-process state (e.g. takes a shared memory region)
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(value) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                result: T = stop.value
-                return result
+        step = advance(steps)
+        while not isinstance(step, Done):
             value, error = None, None
             try:
                 if isinstance(step, Call):
@@ -115,6 +109,8 @@ class EmbeddingClient(ClientCore):
                     value = step.fn(*step.args)
             except BaseException as exc:  # the operation decides: retry, give up shared memory, or raise it
                 error = exc
+            step = advance(steps, value, error)
+        return step.value
 
     def _perform(self, call: Call) -> Any:
         """Call the tritonclient method on this thread's connection; map its errors to ours."""

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, ParamSpec, TypeAlias, TypeVar
+from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -76,6 +76,25 @@ class Blocking:
 Step: TypeAlias = Call | Sleep | Blocking
 Steps: TypeAlias = Generator[Step, Any, T]
 """An operation of the core: yields steps, receives their results, returns ``T``."""
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """An operation's end: its result."""
+
+    value: T
+
+
+def advance(steps: Steps[T], value: Any = None, error: BaseException | None = None) -> Step | Done[T]:
+    """The operation's next step once ``value`` came of the last one (or ``error`` was raised); ``Done`` at its end.
+
+    The clients' one loop: ``step = advance(steps)``, then perform each step and hand back what came of it, until
+    ``Done``. An error the operation does not handle is raised here.
+    """
+    try:
+        return steps.send(value) if error is None else steps.throw(error)
+    except StopIteration as stop:
+        return Done(stop.value)
 
 
 # -- retry policy ------------------------------------------------------------------------------------------------------
