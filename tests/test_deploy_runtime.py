@@ -341,11 +341,11 @@ def test_compose_stop_drains_requests_still_waiting_for_their_first_step(tmp_pat
         answers = held_requests_across_a_signal(
             server.grpc_url, server.metrics_url, requests, lambda: server.process.send_signal(signal.SIGTERM)
         )
+        lost = [a for a in answers if not isinstance(a, np.ndarray)]
+        assert not lost, f"{len(lost)} of {len(requests)} lost: {lost[0]!r}"
         assert server.process.wait(timeout=75) == 0, server.log_tail()
         assert "triton-embed: 'embed' drained in" in server.log.read_text(errors="replace"), server.log_tail()
         assert not process_alive(server.server_pid)
-    lost = [a for a in answers if not isinstance(a, np.ndarray)]
-    assert not lost, f"{len(lost)} of {len(requests)} lost: {lost[0]!r}"
     for texts, served in zip(requests, answers, strict=True):
         np.testing.assert_allclose(served, reference_embed(reference, texts), atol=1e-5)
 
