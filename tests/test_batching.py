@@ -163,9 +163,9 @@ def test_uneven_concurrent_requests_get_their_own_rows(server, reference, sizes)
 
 
 def test_requests_sent_together_after_an_idle_spell_are_not_held_500_ms(server):
-    """Triton 2.51's dynamic batcher with a queue policy held one of 4 requests sent together after 0.3 s idle for
-    exactly 500 ms (or 1,000) in 15-17 rounds of 60 (docs/benchmarks.md): no step may have one.
-    A stall of the shared machine may hit one round; the policy's stall hit ~1 round in 4."""
+    """Triton 2.51's dynamic batcher with a queue policy holds one of 4 requests sent together after 0.3 s idle for
+    exactly 500 ms (or 1,000) in about 1 round in 4 (docs/benchmarks.md, "Queue policy"): no step may have one.
+    A stall of the shared machine may hit one round."""
 
     def one(text: str) -> float:
         start = time.perf_counter()

@@ -120,7 +120,7 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server, way):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http", "aio-grpc", "aio-http"])
 def test_a_timeout_is_a_timeout_error_and_is_not_retried(server, protocol):
-    """Both protocols, sync and asyncio: the HTTP client's socket timeout used to pass for an outage (retried)."""
+    """Both protocols, sync and asyncio: the HTTP client's socket timeout is a timeout, not an outage to retry."""
     transport = protocol.removeprefix("aio-")
     url = server.grpc_url if transport == "grpc" else server.http_url
     unique = f"{protocol} {time.time_ns()}"  # no response-cache hit
@@ -188,7 +188,7 @@ def test_one_headers_dict_serves_binary_json_and_shared_memory_clients_in_turn(s
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_client_never_closed_unregisters_its_shared_memory_at_interpreter_exit(server, kind):
-    """Needs the admin header on the server, which the exit cleanup used to leave out (sync) or skip (async)."""
+    """The exit cleanup sends the admin header the server's shared-memory API needs, sync and async."""
     script = f"""
 import asyncio, sys
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient

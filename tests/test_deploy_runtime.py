@@ -24,7 +24,6 @@ import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,6 +51,7 @@ from helpers import (
     kill_stub_mid_request,
     post_status,
 )
+from small_models import small_sentence_transformer
 from triton_embed import EmbeddingClient
 from triton_embed_server.supervisor import process_alive, stub_processes
 
@@ -79,29 +79,6 @@ def test_compose_command_serves_embeddings_with_the_admin_apis_locked(compose_se
     assert (compose_server.models / "embed" / "1").is_dir() and ".gitkeep" not in " ".join(files)
     # the entrypoint's driver check ran first: the CPU config needs no driver
     assert "triton-embed: config 'cpu' runs on the CPU: no NVIDIA driver check" in compose_server.log.read_text()
-
-
-def small_sentence_transformer(folder: Path, dim: int) -> Path:
-    """A sentence-transformers folder: a 2-layer BERT of width ``dim`` with random weights, the packaged tokenizer."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules as st_modules
-    from transformers import AutoTokenizer, BertConfig, BertModel
-    from triton_embed_server.export import default_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=dim, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=2 * dim, max_position_embeddings=512)  # fmt: skip
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder / "hf")
-    tokenizer.save_pretrained(folder / "hf")
-    modules = [
-        st_modules.Transformer(str(folder / "hf"), max_seq_length=128),
-        st_modules.Pooling(dim, "mean"),
-        st_modules.Normalize(),
-    ]
-    SentenceTransformer(modules=modules, device="cpu").save(str(folder / "model"))
-    return folder / "model"
 
 
 def test_model_given_to_the_export_is_exported_and_served_with_its_width(tmp_path):

@@ -7,7 +7,7 @@ from tritonclient.utils import InferenceServerException
 
 
 def test_a_full_queue_names_the_queue_and_its_limit():
-    """Triton's own message names neither (a new operator's trial); the status decides the class (retryable)."""
+    """Triton's own message names neither; the status decides the class (retryable)."""
     message = "in ensemble 'embed', [request id: <id_unknown>] Exceeds maximum queue size"
     raw = InferenceServerException(msg=message, status="StatusCode.UNAVAILABLE")
     error = from_triton(raw, model="embed", url="127.0.0.1:8001")
