@@ -1,7 +1,8 @@
 """The server's refusals over a run, sampled from Triton's ``/metrics``.
 
 The encoder refuses the requests that waited longer than their latency budget in its queue
-(python_backends/torchscript/overload.py, docs/overload.md) and counts them in ``triton_embed_shed_requests_total{model="encoder"}``; a run's failures and tail
+(python_backends/torchscript/overload.py, docs/overload.md) and counts them in
+``triton_embed_shed_requests_total{model="encoder"}``; a run's failures and tail
 are read against that count, second by second. The libtorch encoder publishes no such counter: then nothing is
 sampled.
 """
