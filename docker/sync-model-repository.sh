@@ -39,8 +39,9 @@ from pathlib import Path
 from triton_embed_server.export import set_config_dims
 
 repository = Path(sys.argv[1])
-dim = json.loads((repository / "encoder" / "1" / "export.json").read_text())["dim"]
-for config in set_config_dims(repository, dim):
+manifest = json.loads((repository / "encoder" / "1" / "export.json").read_text())
+dim = manifest["dim"]
+for config in set_config_dims(repository, dim, manifest["max_seq_length"]):
     print(f"sync-model-repository: embedding width {dim} in {config.relative_to(repository)}", file=sys.stderr)
 PY
 find "$dest" -mindepth 1 -delete

@@ -19,7 +19,10 @@ def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_pat
     )
     for name in ARTIFACTS:
         (repo / name).symlink_to(REPO_ROOT / "model_repository" / name)
-    for model, knob, value in (("encoder", "LATENCY_BUDGET_MS", "abc"), ("tokenizer", "MAX_TEXT_BYTES", "0")):
+    for model, knob, value in (
+        ("encoder", "LATENCY_BUDGET_MS", "abc"),
+        ("tokenizer", "MAX_SEQ_LENGTH", "128"),  # tokenizer.json truncates at 256
+    ):
         config = repo / model / "config.pbtxt"
         pattern = rf'(key: "{knob}"\s*value: {{ string_value: )"[^"]*"'
         text, n = re.subn(pattern, rf'\1"{value}"', config.read_text())
@@ -31,4 +34,4 @@ def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_pat
         pass
     written = log.read_text()
     assert "config parameter LATENCY_BUDGET_MS must be a number >= 0; got 'abc'" in written
-    assert "config parameter MAX_TEXT_BYTES must be an integer >= 1; got '0'" in written
+    assert "config parameter MAX_SEQ_LENGTH is 128 but" in written and "truncates at 256" in written

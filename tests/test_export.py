@@ -59,6 +59,8 @@ def test_set_config_dims_rewrites_every_embedding_width(tmp_path):
     ]
     assert "dims: [ 768 ]" in (repo / "embed" / "config.pbtxt").read_text()
     assert exporter.set_config_dims(repo, 768) == []
+    assert exporter.set_config_dims(repo, 768, 512) == [repo / "tokenizer" / "config.pbtxt"]
+    assert 'string_value: "512" }  # max-seq-length' in (repo / "tokenizer" / "config.pbtxt").read_text()
 
 
 def test_cli_reports_missing_model_folder(tmp_path, capsys):

@@ -137,3 +137,13 @@ def test_the_cli_takes_the_prompt_and_dimensions(prompted):
     served = np.array([row["embedding"] for row in json.loads(done.stdout)])
     head = reference.encode(TEXTS, prompt_name="passage")[:, :8]
     np.testing.assert_allclose(served, head / np.linalg.norm(head, axis=1, keepdims=True), atol=1e-5)
+
+
+def test_the_models_route_reports_this_models_width_and_token_limit(prompted):
+    import json
+    import urllib.request
+
+    _, _, gateway = prompted
+    with urllib.request.urlopen(f"{gateway}/v1/models", timeout=10) as response:
+        (model,) = json.loads(response.read())["data"]
+    assert model["dimension"] == 32 and model["max_tokens"] == 128

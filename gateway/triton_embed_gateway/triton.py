@@ -31,10 +31,15 @@ _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The served ensemble: ``max_batch_size`` (texts per Triton request) and ``dim`` (embedding width)."""
+    """The served ensemble.
+
+    ``max_batch_size``: texts per Triton request; ``dim``: embedding width; ``max_tokens``: the model's
+    max_seq_length, from the tokenizer's ``MAX_SEQ_LENGTH`` (None without it).
+    """
 
     max_batch_size: int
     dim: int
+    max_tokens: int | None = None
 
 
 def _status(exc: InferenceServerException) -> str:
@@ -96,7 +101,7 @@ class TritonEmbedder:
         return self._channel
 
     async def info(self) -> ModelInfo:
-        """The ensemble's batch limit and width, read once.
+        """The ensemble's batch limit, width and token limit, read once.
 
         Raises:
             ApiError: 503 while Triton does not answer or the model is not loaded.
@@ -104,10 +109,12 @@ class TritonEmbedder:
         if self._info is None:
             try:
                 config = (await self._client.get_model_config(self.model, as_json=True, client_timeout=5))["config"]
+                tokenizer = (await self._client.get_model_config(TOKENIZER, as_json=True, client_timeout=5))["config"]
             except InferenceServerException as exc:
                 raise api_error(exc) from exc
             dims = next(o["dims"] for o in config["output"] if o["name"] == EMBEDDING)
-            self._info = ModelInfo(int(config["max_batch_size"]), int(dims[-1]))
+            limit = tokenizer.get("parameters", {}).get("MAX_SEQ_LENGTH", {}).get("string_value")
+            self._info = ModelInfo(int(config["max_batch_size"]), int(dims[-1]), int(limit) if limit else None)
         return self._info
 
     async def ready(self) -> bool:

@@ -165,8 +165,14 @@ class TritonPythonModel:
         params = config_parameters(self.model_config)
         try:
             self.max_text_bytes = config_number(params, "MAX_TEXT_BYTES", "65536", minimum=1, integer=True)
+            configured = config_number(params, "MAX_SEQ_LENGTH", str(self.max_tokens), minimum=1, integer=True)
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
+        if configured != self.max_tokens:
+            raise pb_utils.TritonModelException(
+                f"config parameter MAX_SEQ_LENGTH is {configured} but {path} truncates at {self.max_tokens}: "
+                "run `make model` (it sets both)"
+            )
         self.truncate = params.get("TRUNCATION", "truncate")
         if self.truncate not in ("truncate", "error"):
             raise pb_utils.TritonModelException(

@@ -141,17 +141,23 @@ def _atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def set_config_dims(repository: Path, dim: int) -> list[Path]:
-    """Set the embedding width in every config that declares it (``dims: [ N ]`` on an ``# embedding-dim`` line).
+def set_config_dims(repository: Path, dim: int, max_seq_length: int | None = None) -> list[Path]:
+    """Set the embedding width and the token limit in every config that declares them.
+
+    The width is a ``dims: [ N ]`` on an ``# embedding-dim`` line; the limit, a ``string_value`` on a line marked
+    ``# max-seq-length`` (set only when ``max_seq_length`` is given).
 
     Returns:
-        The config files that changed (empty when they already said ``dim``).
+        The config files that changed (empty when they already said ``dim`` and ``max_seq_length``).
     """
     changed = []
     pattern = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
+    limit = re.compile(r'string_value: "\d+" \}(\s*# max-seq-length)')
     for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
         text = cfg.read_text()
         new = pattern.sub(rf"dims: [ {dim} ]\1", text)
+        if max_seq_length is not None:
+            new = limit.sub(rf'string_value: "{max_seq_length}" }}\1', new)
         if new != text:
             cfg.write_text(new)
             changed.append(cfg)
@@ -234,7 +240,7 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     _atomic_write(repository / "tokenizer" / "1" / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
     _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
     _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
-    for cfg in set_config_dims(repository, manifest.dim):
+    for cfg in set_config_dims(repository, manifest.dim, manifest.max_seq_length):
         print(f"set the embedding width to {manifest.dim} in {cfg.relative_to(repository.parent)}", file=sys.stderr)
     return manifest
 
