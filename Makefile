@@ -93,7 +93,7 @@ clean:
 	rm -rf .build .pytest_cache
 	find model_repository -path '*/1/*' ! -name .gitkeep -delete
 
-# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets); ~5 min.
+# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets, the gateway); ~7 min.
 bench: reference-model
 	$(PY) -m bench.run $(BENCH_ARGS)
 
