@@ -291,8 +291,8 @@ def test_the_docs_examples_work_as_written(gateway, reference):
         )
         answer = json.loads(done.stdout)
         assert done.returncode == 0 and "error" not in answer, (line, done.stdout, done.stderr)
-    snippets = [b for page in pages for b in doc_examples(page, "python") if "OpenAI(" in b]
-    assert snippets
+    snippets = [b for page in pages for b in doc_examples(page, "python") if "OpenAI(" in b or "OpenAIEmbeddings(" in b]
+    assert len(snippets) >= 3
     for snippet in snippets:
         scope: dict = {}
         exec(snippet.replace("http://127.0.0.1:8080", gateway), scope)  # noqa: S102 - our own docs
@@ -359,3 +359,32 @@ def test_langchain_openai_embeddings_get_the_reference_vectors(gateway, referenc
         model="m", base_url=f"{gateway}/v1", api_key="unused", check_embedding_ctx_length=False, dimensions=64
     )
     assert len(shortened.embed_query(TEXTS[0])) == 64
+
+
+def test_overload_from_triton_is_503_with_retry_after(tmp_path):
+    """An encoder whose latency budget every request overruns refuses as overloaded; the gateway says 503, retry."""
+    import re
+    import shutil
+
+    from triton_embed_server.embedded import EmbeddedServer
+    from triton_embed_server.export import ARTIFACTS
+
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        REPO_ROOT / "model_repository", repo, ignore=lambda _, names: [n for n in names if n.endswith((".pt", ".json"))]
+    )
+    for name in ARTIFACTS:
+        (repo / name).symlink_to(REPO_ROOT / "model_repository" / name)
+    config = repo / "encoder" / "config.pbtxt"
+    text = config.read_text()
+    for knob, value in (("LATENCY_BUDGET_MS", "0.000001"), ("REFUSAL_HOLD_MS", "0")):
+        text, n = re.subn(rf'(key: "{knob}"\s*value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+        assert n == 1, knob
+    config.write_text(text)
+    server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log")
+    with server, gateway_running(server.grpc_url, tmp_path / "gateway.log") as base:
+        status, answer, headers = post(f"{base}/v1/embeddings", {"input": "refused as overloaded"})
+        assert status == 503 and headers.get("Retry-After") == "1", (status, answer)
+        assert "overloaded" in answer["error"]["message"] and "LATENCY_BUDGET_MS" in answer["error"]["message"]
+        status, _, _ = post(f"{base}/v1/embeddings", {"input": ["a"] * 100})  # split lists are never refused
+        assert status == 200
