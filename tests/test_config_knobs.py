@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import re
-import shutil
-
 import pytest
-from conftest import REPO_ROOT
+from small_models import repository_with_knobs
 
 
 def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_path):
     from triton_embed_server.embedded import EmbeddedServer, ServerError
-    from triton_embed_server.export import ARTIFACTS
 
-    repo = tmp_path / "repo"
-    shutil.copytree(
-        REPO_ROOT / "model_repository", repo, ignore=lambda _, names: [n for n in names if n.endswith((".pt", ".json"))]
-    )
-    for name in ARTIFACTS:
-        (repo / name).symlink_to(REPO_ROOT / "model_repository" / name)
-    for model, knob, value in (
-        ("encoder", "LATENCY_BUDGET_MS", "abc"),
-        ("tokenizer", "MAX_SEQ_LENGTH", "128"),  # tokenizer.json truncates at 256
-    ):
-        config = repo / model / "config.pbtxt"
-        pattern = rf'(key: "{knob}"\s*value: {{ string_value: )"[^"]*"'
-        text, n = re.subn(pattern, rf'\1"{value}"', config.read_text())
-        assert n == 1, f"{config} has no {knob}"
-        config.write_text(text)
+    knobs = {
+        ("encoder", "LATENCY_BUDGET_MS"): "abc",
+        ("tokenizer", "MAX_SEQ_LENGTH"): "128",  # tokenizer.json truncates at 256
+    }
+    repo = repository_with_knobs(tmp_path / "repo", knobs)
     log = tmp_path / "tritonserver.log"
     server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log)
     with pytest.raises(ServerError), server:

@@ -363,24 +363,11 @@ def test_langchain_openai_embeddings_get_the_reference_vectors(gateway, referenc
 
 def test_overload_from_triton_is_503_with_retry_after(tmp_path):
     """An encoder whose latency budget every request overruns refuses as overloaded; the gateway says 503, retry."""
-    import re
-    import shutil
-
+    from small_models import repository_with_knobs
     from triton_embed_server.embedded import EmbeddedServer
-    from triton_embed_server.export import ARTIFACTS
 
-    repo = tmp_path / "repo"
-    shutil.copytree(
-        REPO_ROOT / "model_repository", repo, ignore=lambda _, names: [n for n in names if n.endswith((".pt", ".json"))]
-    )
-    for name in ARTIFACTS:
-        (repo / name).symlink_to(REPO_ROOT / "model_repository" / name)
-    config = repo / "encoder" / "config.pbtxt"
-    text = config.read_text()
-    for knob, value in (("LATENCY_BUDGET_MS", "0.000001"), ("REFUSAL_HOLD_MS", "0")):
-        text, n = re.subn(rf'(key: "{knob}"\s*value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
-        assert n == 1, knob
-    config.write_text(text)
+    knobs = {("encoder", "LATENCY_BUDGET_MS"): "0.000001", ("encoder", "REFUSAL_HOLD_MS"): "0"}
+    repo = repository_with_knobs(tmp_path / "repo", knobs)
     server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log")
     with server, gateway_running(server.grpc_url, tmp_path / "gateway.log") as base:
         status, answer, headers = post(f"{base}/v1/embeddings", {"input": "refused as overloaded"})
