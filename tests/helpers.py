@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -346,3 +347,30 @@ def _kill_tritonservers(pids: list[int]) -> None:
         with contextlib.suppress(OSError):
             if process_alive(pid) and Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver":
                 os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_until_ready(process, log: Path, ready_url: str, name: str, timeout_s: float = 60.0):
+    """Wait until ``ready_url`` answers 200 while ``process`` (a ``subprocess.Popen`` writing to ``log``) runs; stop
+    it on exit (SIGTERM, SIGKILL after 30 s), whatever happened.
+
+    Raises:
+        AssertionError: it exited or did not answer within ``timeout_s``, with the log's tail.
+    """
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, f"{name} exited:\n{log.read_text()[-3000:]}"
+            with contextlib.suppress(OSError), urllib.request.urlopen(ready_url, timeout=2) as response:  # noqa: S310
+                if response.status == 200:
+                    break
+            assert time.monotonic() < deadline, f"{name} not ready at {ready_url}:\n{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -50,6 +49,7 @@ from helpers import (
     held_requests_across_a_signal,
     kill_stub_mid_request,
     post_status,
+    running_until_ready,
 )
 from small_models import small_sentence_transformer
 from triton_embed import EmbeddingClient
@@ -195,23 +195,8 @@ def prometheus(tmp_path_factory, compose_server, monitor_exporter):
     with open(log, "ab") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: S603, PLW1509
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, f"prometheus exited:\n{log.read_text()[-3000:]}"
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{base}/-/ready", timeout=2) as response:  # noqa: S310
-                if response.status == 200:
-                    break
-            assert time.monotonic() < deadline, f"prometheus not ready:\n{log.read_text()[-3000:]}"
-            time.sleep(0.2)
+    with running_until_ready(process, log, f"{base}/-/ready", "prometheus"):
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def prom_api(base: str, path: str, **params: str) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, reference_embed
+from helpers import running_until_ready
 
 TEXTS = [
     "A man is playing a guitar.",
@@ -37,23 +38,8 @@ def gateway_running(triton_url: str, log: Path, *extra: str, program: tuple[str,
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, log.read_text()
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{base}/health", timeout=1).close()
-                break
-            assert time.monotonic() < deadline, f"no answer on {base}/health:\n{log.read_text()}"
-            time.sleep(0.1)
+    with running_until_ready(process, log, f"{base}/health", "the gateway", timeout_s=30):
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
