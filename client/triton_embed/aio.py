@@ -12,7 +12,18 @@ import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.coalesce import AsyncCoalescer
-from triton_embed.core import Call, ClientCore, Done, Health, Sleep, Steps, advance, max_batch_and_dim, shorten
+from triton_embed.core import (
+    Call,
+    ClientCore,
+    Done,
+    Health,
+    Sleep,
+    Steps,
+    advance,
+    check_dimensions,
+    max_batch_and_dim,
+    shorten,
+)
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
@@ -101,7 +112,7 @@ class AsyncEmbeddingClient(ClientCore):
         items = as_texts(texts)
         if dimensions is not None or not items:
             width = max_batch_and_dim(await self._run(self._get_model_config()))[1]
-            shorten(np.zeros((0, width), dtype=np.float32), dimensions)  # checks dimensions against the width
+            check_dimensions(dimensions, width)
             if not items:
                 return np.zeros((0, dimensions or width), dtype=np.float32)
         if self._closing:

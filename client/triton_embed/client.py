@@ -14,7 +14,18 @@ import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.coalesce import Coalescer
-from triton_embed.core import Call, ClientCore, Done, Health, Sleep, Steps, advance, max_batch_and_dim, shorten
+from triton_embed.core import (
+    Call,
+    ClientCore,
+    Done,
+    Health,
+    Sleep,
+    Steps,
+    advance,
+    check_dimensions,
+    max_batch_and_dim,
+    shorten,
+)
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
@@ -163,7 +174,7 @@ class EmbeddingClient(ClientCore):
         options = CallOptions(input_type, truncate)
         items = as_texts(texts)
         if dimensions is not None or not items:
-            shorten(np.zeros((0, self.dim), dtype=np.float32), dimensions)  # checks dimensions against the width
+            check_dimensions(dimensions, self.dim)
         if not items:
             return np.zeros((0, dimensions or self.dim), dtype=np.float32)
         self._own_process()  # a forked child counts this call on its own state, not on the parent's copy

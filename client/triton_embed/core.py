@@ -133,6 +133,18 @@ def max_batch_and_dim(config: dict[str, Any]) -> tuple[int, int]:
     return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
 
 
+def check_dimensions(dimensions: int | None, width: int) -> None:
+    """Check a ``dimensions`` argument against the model's ``width`` (None passes).
+
+    Raises:
+        ValueError: ``dimensions`` is not an int from 1 to ``width``.
+    """
+    if dimensions is None:
+        return
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= width:
+        raise ValueError(f"dimensions must be an int from 1 to the model's width {width}; got {dimensions!r}")
+
+
 def shorten(vectors: Embeddings, dimensions: int | None) -> Embeddings:
     """The first ``dimensions`` components of each row, renormalised to unit length (Matryoshka); all for None.
 
@@ -143,9 +155,7 @@ def shorten(vectors: Embeddings, dimensions: int | None) -> Embeddings:
     """
     if dimensions is None:
         return vectors
-    width = vectors.shape[1]
-    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= width:
-        raise ValueError(f"dimensions must be an int from 1 to the model's width {width}; got {dimensions!r}")
+    check_dimensions(dimensions, vectors.shape[1])
     head = vectors[:, :dimensions]
     out: Embeddings = (head / np.maximum(np.linalg.norm(head, axis=1, keepdims=True), 1e-12)).astype(np.float32)
     return out

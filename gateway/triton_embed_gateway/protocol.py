@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from triton_embed import core
 
 Vectors = npt.NDArray[np.float32]
 """Embeddings, float32 ``(n, dim)``, rows of unit length."""
@@ -195,10 +196,7 @@ def shorten(vectors: Vectors, dimensions: int | None, width: int) -> Vectors:
         return vectors
     if dimensions > width:
         raise invalid("dimensions", f"'dimensions' is {dimensions}; the model's width is {width}")
-    head = vectors[:, :dimensions]
-    norms = np.linalg.norm(head, axis=1, keepdims=True)
-    out: Vectors = (head / np.maximum(norms, 1e-12)).astype(np.float32)
-    return out
+    return core.shorten(vectors, dimensions)
 
 
 def openai_response(vectors: Vectors, token_counts: Counts, model: str, encoding_format: str) -> dict[str, Any]:
