@@ -1,13 +1,14 @@
 """triton_embed: client for the triton-embed text-embedding service on NVIDIA Triton Inference Server.
 
-``EmbeddingClient`` (threads) and ``AsyncEmbeddingClient`` (asyncio) over gRPC or HTTP; errors are subclasses of
-``EmbeddingError``. See docs/client.md.
+``EmbeddingClient`` (threads) and ``AsyncEmbeddingClient`` (asyncio) over gRPC or HTTP, to one server or spread over
+several; errors are subclasses of ``EmbeddingError``. See docs/client.md.
 """
 
 from triton_embed.aio import AsyncEmbeddingClient
 from triton_embed.client import EmbeddingClient
 from triton_embed.client_stats import ClientStats
 from triton_embed.core import Health
+from triton_embed.endpoints import EndpointState
 from triton_embed.errors import (
     EmbeddingError,
     EmbeddingTimeoutError,
@@ -23,6 +24,7 @@ __all__ = [
     "EmbeddingClient",
     "EmbeddingError",
     "EmbeddingTimeoutError",
+    "EndpointState",
     "Health",
     "InvalidInputError",
     "ServerError",

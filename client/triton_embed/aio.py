@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+from collections import Counter
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -50,22 +51,34 @@ class AsyncEmbeddingClient(ClientCore):
     def _setup(self) -> None:
         self._coalescer = AsyncCoalescer() if self.settings.coalesce else None
         self._shm = self._open_shared_memory()
-        self._client: Any = None  # tritonclient's aio InferenceServerClient, made on the first call
+        self._clients: dict[str, Any] = {}  # tritonclient's aio InferenceServerClient per endpoint, made on first use
+        self._in_flight: Counter[str] = Counter()  # calls in flight per endpoint
+        self._version = self._pool.version  # of the endpoint list the connections were last checked against
         self._calls = 0  # embed() calls in progress, which close() waits for
         self._idle = asyncio.Event()  # set while no embed() call is in progress
         self._idle.set()
 
     # -- I/O ----------------------------------------------------------------------------------------------------------
-    def _conn(self) -> Any:
+    def _conn(self, endpoint: str) -> Any:
         if self._closed:
             raise self._closed_error()
-        if self._client is None:
+        client = self._clients.get(endpoint)
+        if client is None:
             if self.settings.protocol == "grpc":
-                self._client = self._module.InferenceServerClient(self.url)
+                client = self._module.InferenceServerClient(endpoint)
             else:
-                t = self.settings.timeout_s
-                self._client = self._module.InferenceServerClient(self.url, conn_timeout=t)
-        return self._client
+                client = self._module.InferenceServerClient(endpoint, conn_timeout=self.settings.timeout_s)
+            self._clients[endpoint] = client
+        return client
+
+    async def _close_departed(self) -> None:
+        """Close the connections to endpoints that left the endpoint list (DNS) and have no call in flight."""
+        if self._version == self._pool.version:
+            return
+        self._version, current = self._pool.version, set(self._pool.urls)
+        departed = [self._clients.pop(u) for u in list(self._clients) if u not in current and not self._in_flight[u]]
+        for client in departed:  # out of the dict first: no other task takes one of them while these awaits run
+            await client.close()
 
     async def _run(self, steps: Steps[T]) -> T:
         """Run an operation of the core in this task: perform each step it yields, hand back what came of it."""
@@ -85,14 +98,19 @@ class AsyncEmbeddingClient(ClientCore):
         return step.value
 
     async def _perform(self, call: Call) -> Any:
-        """Await the tritonclient method, within ``call.wait_s`` if it has one; map its errors to ours."""
+        """Await the tritonclient method on the call's endpoint, within ``call.wait_s`` if any; map errors to ours."""
+        endpoint = call.endpoint or self.urls[0]
+        await self._close_departed()
+        self._in_flight[endpoint] += 1
         try:
-            pending = getattr(self._conn(), call.method)(*call.args, **call.kwargs)
+            pending = getattr(self._conn(endpoint), call.method)(*call.args, **call.kwargs)
             return await (pending if call.wait_s is None else asyncio.wait_for(pending, call.wait_s))
         except EmbeddingError:
             raise
         except Exception as exc:  # asyncio's TimeoutError from wait_for included
-            raise from_triton(exc, model=self.model, url=self.url) from exc
+            raise from_triton(exc, model=self.model, url=endpoint) from exc
+        finally:
+            self._in_flight[endpoint] -= 1
 
     # -- embedding ----------------------------------------------------------------------------------------------------
     async def embed(
@@ -153,7 +171,7 @@ class AsyncEmbeddingClient(ClientCore):
         """Server liveness/readiness and this model's readiness; an unreachable server gives all False.
 
         So does a server that is not Triton's HTTP or gRPC endpoint (e.g. its metrics port, which answers 200 to
-        ``/v2/health/ready``): ``error`` says why.
+        ``/v2/health/ready``): ``error`` says why. Several endpoints: as :meth:`EmbeddingClient.health`.
 
         Raises:
             EmbeddingError: the client is closed (a closed client cannot tell; it is not the server's state).
@@ -161,7 +179,11 @@ class AsyncEmbeddingClient(ClientCore):
         return await self._run(self._health())
 
     async def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
-        """Per-step counters and mean queue/compute times from Triton's statistics API."""
+        """Per-step counters and mean queue/compute times from Triton's statistics API; several endpoints added up.
+
+        Raises:
+            EmbeddingError: an endpoint could not be asked (the message names it), or the client is closed.
+        """
         return await self._run(self._server_stats(models))
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
@@ -177,8 +199,9 @@ class AsyncEmbeddingClient(ClientCore):
             await asyncio.wait_for(self._idle.wait(), self._longest_call_s())
         await self._run(self._close_shared_memory())
         self._closed = True
-        if self._client is not None:
-            await self._client.close()
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
 
     async def _unregister_when_released(self, name: str) -> None:
         """Unregister region ``name``, tried again while the server still holds it (see ``shm.region_in_use``).

@@ -7,6 +7,7 @@
     echo "text from stdin" | triton-embed embed --json
     triton-embed health
     triton-embed --url 10.0.0.5:8001 health                               # options before or after the subcommand
+    triton-embed --url 10.0.0.5:8001,10.0.0.6:8001 embed "a text"          # several servers: balanced, failover
     triton-embed stats                                                    # per-step latency breakdown
     triton-embed gateway --triton 127.0.0.1:8001 --port 8080              # the OpenAI/TEI HTTP API
 
@@ -45,7 +46,8 @@ def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     parser.add_argument(
         "--url",
         default=default(None),
-        help="host:port (default: $TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)",
+        help="host:port, or several separated by commas: requests are spread over them and fail over (default: "
+        "$TRITON_EMBED_URL, else 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)",
     )
     parser.add_argument(
         "--protocol",

@@ -44,9 +44,13 @@ class EmbeddingClient(ClientCore):
         with EmbeddingClient(url="127.0.0.1:8001") as client:
             vectors = client.embed(["A man plays a guitar.", "Someone plays music."])  # (2, 384) float32
 
-    Thread safety: one client may be shared by any number of threads. gRPC uses one channel; HTTP one
-    connection per thread (tritonclient's HTTP client is not thread-safe). After ``os.fork()`` the child's first
-    call opens its own connections (and shared memory regions); the parent's are left to the parent.
+    Several servers: ``EmbeddingClient(url=["10.0.0.5:8001", "10.0.0.6:8001"])`` (or ``"host-a:8001,host-b:8001"``,
+    or one DNS name with several addresses) spreads requests over them and fails over from one that is down.
+
+    Thread safety: one client may be shared by any number of threads. Each thread has its own connection to each
+    endpoint (tritonclient's HTTP client is not thread-safe; gRPC channels to one endpoint share its connection).
+    After ``os.fork()`` the child's first call opens its own connections (and shared memory regions); the parent's
+    are left to the parent.
     """
 
     def _protocol_module(self, protocol: str) -> ModuleType:
@@ -61,7 +65,7 @@ class EmbeddingClient(ClientCore):
         """Per-process state: connections, worker pool, shared memory (fresh in a forked child)."""
         self._pid = os.getpid()
         self._local = threading.local()
-        self._connections: list[Any] = []  # tritonclient's InferenceServerClient, one per thread
+        self._connections: list[Any] = []  # tritonclient's InferenceServerClient, one per thread and endpoint
         self._executor: ThreadPoolExecutor | None = None
         self._calls = 0  # embed() calls in progress, which close() waits for
         self._closing = False
@@ -89,21 +93,40 @@ class EmbeddingClient(ClientCore):
         return max_batch_and_dim(self._model_config())[1]
 
     # -- I/O ----------------------------------------------------------------------------------------------------------
-    def _conn(self) -> Any:
+    def _conn(self, endpoint: str) -> Any:
+        """This thread's connection to ``endpoint`` (made on first use).
+
+        When the endpoint list has changed (DNS), this thread first closes its connections to endpoints that left
+        it: none of them has a call in flight, since a thread makes one call at a time.
+        """
         if self._closed:
             raise self._closed_error()
         self._own_process()
-        client = getattr(self._local, "client", None)
+        local = self._local
+        if not hasattr(local, "clients"):
+            local.clients, local.version = {}, self._pool.version
+        clients: dict[str, Any] = local.clients
+        if local.version != self._pool.version:
+            local.version, current = self._pool.version, set(self._pool.urls)
+            for url in [u for u in clients if u not in current and u != endpoint]:
+                self._drop(clients.pop(url))
+        client = clients.get(endpoint)
         if client is None:
             if self.protocol == "grpc":
-                client = self._module.InferenceServerClient(self.url)
+                client = self._module.InferenceServerClient(endpoint)
             else:
                 t = self.settings.timeout_s
-                client = self._module.InferenceServerClient(self.url, connection_timeout=t, network_timeout=t)
-            self._local.client = client
+                client = self._module.InferenceServerClient(endpoint, connection_timeout=t, network_timeout=t)
+            clients[endpoint] = client
             with self._lock:
                 self._connections.append(client)
         return client
+
+    def _drop(self, client: Any) -> None:
+        """Close one of this thread's connections (to an endpoint that left the list)."""
+        with self._lock:
+            self._connections.remove(client)
+        client.close()
 
     def _run(self, steps: Steps[T]) -> T:
         """Run an operation of the core in this thread: perform each step it yields, hand back what came of it."""
@@ -124,13 +147,14 @@ class EmbeddingClient(ClientCore):
         return step.value
 
     def _perform(self, call: Call) -> Any:
-        """Call the tritonclient method on this thread's connection; map its errors to ours."""
+        """Call the tritonclient method on this thread's connection to the call's endpoint; map its errors to ours."""
+        endpoint = call.endpoint or self.urls[0]
         try:
-            return getattr(self._conn(), call.method)(*call.args, **call.kwargs)
+            return getattr(self._conn(endpoint), call.method)(*call.args, **call.kwargs)
         except EmbeddingError:
             raise
         except Exception as exc:
-            raise from_triton(exc, model=self.model, url=self.url) from exc
+            raise from_triton(exc, model=self.model, url=endpoint) from exc
 
     def _model_config(self) -> dict[str, Any]:
         return self._run(self._get_model_config())
@@ -214,7 +238,9 @@ class EmbeddingClient(ClientCore):
         """Server liveness/readiness and this model's readiness; an unreachable server gives all False.
 
         So does a server that is not Triton's HTTP or gRPC endpoint (e.g. its metrics port, which answers 200 to
-        ``/v2/health/ready``): ``error`` says why.
+        ``/v2/health/ready``): ``error`` says why. With several endpoints, each is asked in turn: a flag is True if
+        it is for any of them, ``error`` names each one whose model is not ready (and why), and what each says
+        marks it up or down for the requests that follow.
 
         Raises:
             EmbeddingError: the client is closed (a closed client cannot tell; it is not the server's state).
@@ -222,7 +248,13 @@ class EmbeddingClient(ClientCore):
         return self._run(self._health())
 
     def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
-        """Per-step counters and mean queue/compute times from Triton's statistics API (since server start)."""
+        """Per-step counters and mean queue/compute times from Triton's statistics API (since server start).
+
+        With several endpoints, their counters added up.
+
+        Raises:
+            EmbeddingError: an endpoint could not be asked (the message names it), or the client is closed.
+        """
         return self._run(self._server_stats(models))
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------

@@ -4,11 +4,15 @@ Each operation (read the model config, infer one chunk with retries, register a 
 or statistics, unregister regions on close) is a generator that yields the I/O it needs as small steps and receives
 each step's result by ``send()``, or its exception by ``throw()``:
 
-- :class:`Call`: one tritonclient method call, headers and gRPC deadline included; the client performs it on its
-  connection and maps a tritonclient error to ours with :func:`triton_embed.errors.from_triton`.
+- :class:`Call`: one tritonclient method call on one endpoint, headers and gRPC deadline included; the client
+  performs it on its connection to that endpoint and maps a tritonclient error to ours with
+  :func:`triton_embed.errors.from_triton`.
 - :class:`Sleep`: wait that long (a backoff, a pause before an unregister is tried again).
-- :class:`Blocking`: a function that may block (closing the shared memory pool waits for in-flight requests); the
-  sync client calls it, the asyncio client runs it in a worker thread.
+- :class:`Blocking`: a function that may block (closing the shared memory pool waits for in-flight requests, DNS
+  resolution); the sync client calls it, the asyncio client runs it in a worker thread.
+
+Which endpoint each attempt goes to, and when a failed one is probed again, is decided by
+:class:`triton_embed.endpoints.EndpointPool`.
 
 :class:`triton_embed.EmbeddingClient` and :class:`triton_embed.AsyncEmbeddingClient` each drive these generators with
 one small loop (``_run``) and keep only what is I/O or concurrency: connections, running chunks at once, waiting for
@@ -24,15 +28,16 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, TypeVar
 
 import numpy as np
 
 from triton_embed import server_stats
 from triton_embed.client_stats import ClientStats, Counters
+from triton_embed.endpoints import EndpointPool, EndpointState, resolve_all
 from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
 from triton_embed.inputs import Embeddings
 from triton_embed.request_builder import OUTPUT, CallOptions, RequestBuilder
@@ -46,16 +51,18 @@ T = TypeVar("T")
 # -- steps: the I/O an operation asks its client for -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Call:
-    """``method(*args, **kwargs)`` on the client's tritonclient connection; the result is sent back.
+    """``method(*args, **kwargs)`` on the client's tritonclient connection to ``endpoint``; the result is sent back.
 
     ``wait_s``: the longest the asyncio client waits for the whole call (``asyncio.wait_for``), seconds, or None.
     The sync client's connections bound a call themselves (gRPC deadline, HTTP network timeout).
+    ``endpoint``: ``host:port`` of the server to call.
     """
 
     method: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     wait_s: float | None = None
+    endpoint: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,22 @@ def backoff(attempt: int, base_s: float) -> float:
 def retryable(error: EmbeddingError) -> bool:
     """Only unavailable/overloaded/connection errors are retried; bad input and timeouts never are."""
     return isinstance(error, ServerUnavailableError)
+
+
+OVERLOADED = ("overloaded:", "Exceeds maximum queue size")
+"""How a server that is up says it refused a request for load (the encoder's refusals, a full Triton queue)."""
+
+
+def endpoint_failed(error: EmbeddingError) -> bool:
+    """True if ``error`` says its endpoint is unreachable, not ready or draining: no requests go there for a while.
+
+    An overload refusal is retryable (on another endpoint first) but leaves its endpoint up: it serves, and is busy.
+    """
+    return retryable(error) and not any(marker in str(error) for marker in OVERLOADED)
+
+
+PROBE_TIMEOUT_S = 2.0
+"""The longest a readiness probe of a down endpoint waits (gRPC deadline, asyncio wait), seconds; at most timeout_s."""
 
 
 # -- results and pure helpers ----------------------------------------------------------------------------------------
@@ -196,7 +219,7 @@ class ClientCore:
     def __init__(
         self,
         *,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         protocol: str | None = None,
         model: str = "embed",
         timeout_s: float = 30.0,
@@ -214,17 +237,23 @@ class ClientCore:
 
         Args:
             url: ``host:port``, or ``http://host:port`` / ``grpc://host:port`` (the scheme picks the protocol);
-                ``:8000`` means 127.0.0.1. Default: ``$TRITON_EMBED_URL``, else ``127.0.0.1:8001`` (gRPC) /
-                ``127.0.0.1:8000`` (HTTP).
+                ``:8000`` means 127.0.0.1. Several endpoints: a list of them, or one string separated by commas
+                (``"10.0.0.5:8001,10.0.0.6:8001"``); a DNS name that resolves to several addresses (a Kubernetes
+                headless Service) counts as one endpoint per address. Requests are spread over the endpoints that
+                are up and fail over from one that is unreachable or not ready (see :mod:`triton_embed.endpoints`).
+                Default: ``$TRITON_EMBED_URL`` (one url or several separated by commas), else ``127.0.0.1:8001``
+                (gRPC) / ``127.0.0.1:8000`` (HTTP).
             protocol: ``grpc`` or ``http``. Default: the url's scheme, else ``$TRITON_EMBED_PROTOCOL``, else ``grpc``.
             model: the ensemble's name.
             timeout_s: limit for one request attempt, seconds (gRPC deadline; HTTP connect and network timeout).
             retries: extra attempts after an unavailable/overloaded/connection error (never after bad input or a
-                timeout), waiting ``backoff_s * 2**k`` (capped at 2 s, plus up to 25% jitter) before attempt k+1.
+                timeout), waiting ``backoff_s * 2**k`` (capped at 2 s, plus up to 25% jitter) before attempt k+1;
+                with several endpoints, a retry goes to one this call has not tried when one is up.
             backoff_s: first wait between attempts, seconds.
             binary: HTTP only: binary tensor data (default) instead of JSON, ~4x fewer bytes per embedding.
-            use_shared_memory: send texts and receive embeddings through system shared memory (same host only);
-                falls back to the network with a ``RuntimeWarning`` when the server cannot register the regions.
+            use_shared_memory: send texts and receive embeddings through system shared memory (same host only, so
+                one url, whose name is not expanded into addresses); falls back to the network with a
+                ``RuntimeWarning`` when the server cannot register the regions.
             coalesce: send each distinct text in flight once; concurrent callers asking for it wait for that row.
             max_concurrency: chunks of one long list sent at the same time.
             headers: extra HTTP headers / gRPC metadata on every call (e.g. a restricted-API key); copied, so
@@ -240,7 +269,8 @@ class ClientCore:
 
         Raises:
             ValueError: unknown protocol, a url that is not ``host:port``, a url scheme that contradicts
-                ``protocol`` (or ``$TRITON_EMBED_PROTOCOL``, when both come from the environment), ``truncate``
+                ``protocol`` (or ``$TRITON_EMBED_PROTOCOL``, when both come from the environment), urls whose
+                schemes differ or one url listed twice, ``use_shared_memory`` with more than one url, ``truncate``
                 or ``binary`` not a bool, ``headers`` not a dict of str, or a setting out of range
                 (``timeout_s``, ``retries``, ``backoff_s``, ``max_concurrency``, ``latency_budget_ms``).
         """
@@ -259,6 +289,7 @@ class ClientCore:
             latency_budget_ms=latency_budget_ms,
             truncate=truncate,
         )
+        self._pool = EndpointPool(self.settings.urls, expand_names=not self.settings.use_shared_memory)
         self._module = self._protocol_module(self.settings.protocol)
         self._builder = RequestBuilder(self.settings, self._module)
         self._counters = Counters()
@@ -285,8 +316,18 @@ class ClientCore:
 
     @property
     def url(self) -> str:
-        """``host:port`` this client talks to."""
+        """``host:port`` this client talks to; with several endpoints, they as given, separated by commas."""
         return self.settings.url
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The endpoints as given, each ``host:port`` (one for a single url)."""
+        return self.settings.urls
+
+    @property
+    def endpoints(self) -> list[EndpointState]:
+        """The endpoints now (DNS names expanded once resolved): url, whether it is up, requests in flight."""
+        return self._pool.states()
 
     @property
     def protocol(self) -> str:
@@ -311,8 +352,10 @@ class ClientCore:
             raise self._closed_error()
 
     # -- calls and retries --------------------------------------------------------------------------------------------
-    def _request(self, method: str, *args: Any, wait_s: float | None = None, **kwargs: Any) -> Steps[Any]:
-        """One tritonclient call, ``method(*args, **kwargs)``, with the client's headers; returns its result.
+    def _call(
+        self, endpoint: str, method: str, /, *args: Any, wait_s: float | None = None, **kwargs: Any
+    ) -> Steps[Any]:
+        """One tritonclient call to ``endpoint``, ``method(*args, **kwargs)``, with the client's headers; its result.
 
         Over gRPC every call gets ``timeout_s`` as its deadline: without one, a config fetch or a health check
         against a port that accepts connections but never answers waits ~20 s for gRPC's handshake, whatever
@@ -320,17 +363,23 @@ class ClientCore:
         """
         if self.protocol == "grpc":
             kwargs.setdefault("client_timeout", self.settings.timeout_s)
-        return (yield Call(method, args, {"headers": copied(self.settings.headers), **kwargs}, wait_s))
+        return (yield Call(method, args, {"headers": copied(self.settings.headers), **kwargs}, wait_s, endpoint))
 
     def _as_json(self) -> dict[str, Any]:
         """Keyword arguments that make a gRPC answer JSON, as HTTP's always is."""
         return {"as_json": True} if self.protocol == "grpc" else {}
 
-    def _retrying(self, fn: Callable[P, Steps[T]], *args: P.args, **kwargs: P.kwargs) -> Steps[T]:
-        """``fn(*args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``)."""
+    def _retrying(self, fn: Callable[Concatenate[str, P], Steps[T]], *args: P.args, **kwargs: P.kwargs) -> Steps[T]:
+        """``fn(endpoint, *args, **kwargs)``, repeated after retryable errors (see ``retries`` and ``backoff_s``).
+
+        Each attempt goes where the endpoint pool says: a retry to an endpoint this call has not tried when one is up.
+        """
+        tried: list[str] = []
         for attempt in range(self.settings.retries + 1):
+            endpoint = yield from self._endpoint(tried)
+            tried.append(endpoint)
             try:
-                return (yield from fn(*args, **kwargs))
+                return (yield from self._on_endpoint(endpoint, fn, *args, **kwargs))
             except EmbeddingError as exc:
                 if not retryable(exc) or attempt == self.settings.retries:
                     self._counters.add(errors=1)
@@ -339,10 +388,47 @@ class ClientCore:
                 yield Sleep(backoff(attempt, self.settings.backoff_s))
         raise AssertionError("unreachable")
 
+    def _endpoint(self, avoid: Sequence[str] = ()) -> Steps[str]:
+        """The endpoint for the next attempt (see :meth:`EndpointPool.pick`), not one of ``avoid`` when another is up.
+
+        DNS names are resolved first when due, and a down endpoint whose cool-down has passed is probed first (its
+        model's readiness, within :data:`PROBE_TIMEOUT_S`): one that is ready again takes requests from then on.
+        """
+        pool = self._pool
+        while True:
+            yield from self._resolve_if_due()
+            choice = pool.pick(avoid)
+            if not choice.probe:
+                return choice.url
+            ready, limit_s = False, min(PROBE_TIMEOUT_S, self.settings.timeout_s)
+            grpc = {"client_timeout": limit_s} if self.protocol == "grpc" else {}
+            try:
+                ready = bool((yield from self._call(choice.url, "is_model_ready", self.model, wait_s=limit_s, **grpc)))
+            except EmbeddingError:
+                pass
+            finally:
+                pool.probed(choice.url, ready)
+
+    def _on_endpoint(
+        self, endpoint: str, fn: Callable[Concatenate[str, P], Steps[T]], *args: P.args, **kwargs: P.kwargs
+    ) -> Steps[T]:
+        """``fn(endpoint, *args, **kwargs)``, counted in flight there; its outcome tells the pool whether it is up."""
+        self._pool.started(endpoint)
+        ok: bool | None = None
+        try:
+            result = yield from fn(endpoint, *args, **kwargs)
+            ok = True
+            return result
+        except EmbeddingError as exc:
+            ok = False if endpoint_failed(exc) else None
+            raise
+        finally:
+            self._pool.finished(endpoint, ok)
+
     def _get_model_config(self) -> Steps[dict[str, Any]]:
         """The model's config in JSON form: fetched once (with retries), then kept."""
         if self._config is None:
-            reply = yield from self._retrying(self._request, "get_model_config", self.model, **self._as_json())
+            reply = yield from self._retrying(self._call, "get_model_config", self.model, **self._as_json())
             config: dict[str, Any] = reply["config"] if self.protocol == "grpc" else reply
             self._config = config
         return self._config
@@ -363,15 +449,16 @@ class ClientCore:
         return (yield from self._retrying(self._infer_once, texts, dim, bulk, options))
 
     def _infer_once(
-        self, texts: list[str], dim: int, bulk: bool = False, options: CallOptions | None = None
+        self, endpoint: str, texts: list[str], dim: int, bulk: bool = False, options: CallOptions | None = None
     ) -> Steps[Embeddings]:
         if self._closed:  # a call that outlived close() fails here, before it takes a region
             raise self._closed_error()
-        pool, region = yield from self._acquire_region(texts, dim)
+        pool, region = yield from self._acquire_region(endpoint, texts, dim)
         try:
             inputs, outputs, sent = self._builder.build(texts, dim, region, options)
             try:
-                result = yield from self._request(
+                result = yield from self._call(
+                    endpoint,
                     "infer",
                     self.model,
                     inputs,
@@ -402,13 +489,16 @@ class ClientCore:
         self._finalizer = weakref.finalize(self, close_pool_at_exit, pool, s.protocol, s.url, s.headers)
         return pool
 
-    def _acquire_region(self, texts: list[str], dim: int) -> Steps[tuple[ShmPool | None, Region | None]]:
-        """``(pool, registered region)`` for this request, or ``(None, None)`` (shared memory off or given up)."""
+    def _acquire_region(self, endpoint: str, texts: list[str], dim: int) -> Steps[tuple[ShmPool | None, Region | None]]:
+        """``(pool, region registered with endpoint)`` for this request, or ``(None, None)`` (shm off or given up).
+
+        Shared memory comes with one endpoint only (:class:`Settings`).
+        """
         pool, region = self._take_region(texts, dim)
         if pool is None or region is None or region.registered:
             return pool, region
         try:
-            yield from self._request("register_system_shared_memory", region.name, region.key, region.byte_size)
+            yield from self._call(endpoint, "register_system_shared_memory", region.name, region.key, region.byte_size)
         except EmbeddingError as exc:  # any refusal means: use the network instead
             self._give_up_shared_memory(pool, region, exc)
             yield Blocking(pool.close, (lambda name: None, 5.0))
@@ -458,7 +548,7 @@ class ClientCore:
         """
         for pause in (*release_pauses(), None):
             try:
-                yield from self._request("unregister_system_shared_memory", name)
+                yield from self._call(self.urls[0], "unregister_system_shared_memory", name)
                 return
             except EmbeddingError as exc:
                 if pause is None or not region_in_use(exc):
@@ -478,24 +568,62 @@ class ClientCore:
         self._finalizer.detach()
 
     # -- health and statistics ----------------------------------------------------------------------------------------
+    def _resolve_if_due(self) -> Steps[None]:
+        """Resolve the pool's DNS names when due (see :meth:`EndpointPool.names_due`)."""
+        if due := self._pool.names_due():
+            found: dict[str, list[str] | None] = {}
+            try:
+                found = yield Blocking(resolve_all, (due,))
+            finally:
+                self._pool.resolved(found)
+
     def _health(self) -> Steps[Health]:
-        """See the clients' ``health``."""
+        """See the clients' ``health``: each endpoint asked in turn; what each says marks it up or down."""
         self._check_open()
+        yield from self._resolve_if_due()
+        answers = []
+        for url in self._pool.urls:
+            health = yield from self._endpoint_health(url)
+            self._pool.mark(url, health.model_ready)
+            answers.append((url, health))
+        return combined_health(answers)
+
+    def _endpoint_health(self, url: str) -> Steps[Health]:
         try:
             # Triton's metrics port answers 200 to any path, with an empty body: the metadata tells them apart
-            yield from self._request("get_server_metadata")
-            live = yield from self._request("is_server_live")
-            ready = yield from self._request("is_server_ready")
-            model_ready = yield from self._request("is_model_ready", self.model)
+            yield from self._call(url, "get_server_metadata")
+            live = yield from self._call(url, "is_server_live")
+            ready = yield from self._call(url, "is_server_ready")
+            model_ready = yield from self._call(url, "is_model_ready", self.model)
         except EmbeddingError as exc:
             return Health(False, False, False, error=str(exc))
         return Health(live=bool(live), ready=bool(ready), model_ready=bool(model_ready))
 
     def _server_stats(self, models: tuple[str, ...]) -> Steps[list[server_stats.StepStats]]:
-        """See the clients' ``server_stats``."""
+        """See the clients' ``server_stats``: with several endpoints, their counters added up."""
         self._check_open()
+        yield from self._resolve_if_due()
         rows = []
         for name in models:
-            raw = yield from self._request("get_inference_statistics", name, **self._as_json())
-            rows.append(server_stats.parse(raw["model_stats"][0]))
+            entries = []
+            for url in self._pool.urls:
+                raw = yield from self._call(url, "get_inference_statistics", name, **self._as_json())
+                entries.append(raw["model_stats"][0])
+            rows.append(server_stats.parse(server_stats.merge(entries)))
         return rows
+
+
+def combined_health(answers: Sequence[tuple[str, Health]]) -> Health:
+    """One :class:`Health` for the endpoints' answers ``(url, health)``; one endpoint's as it is.
+
+    With several: each flag is True if it is for any endpoint (the client can serve while one model is ready), and
+    ``error`` names each endpoint whose model is not ready, with its error when it could not be asked.
+    """
+    if len(answers) == 1:
+        return answers[0][1]
+    return Health(
+        live=any(h.live for _, h in answers),
+        ready=any(h.ready for _, h in answers),
+        model_ready=any(h.model_ready for _, h in answers),
+        error="; ".join(f"{url}: {h.error or 'model not ready'}" for url, h in answers if not h.model_ready),
+    )

@@ -82,6 +82,31 @@ def parse(model_stats: dict[str, Any], before: dict[str, Any] | None = None) -> 
     )
 
 
+def merge(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of one model's ``model_stats`` entries (JSON form) from several servers; one entry as it is.
+
+    Counts and times add up (``inference_count``, ``execution_count``, every ``inference_stats`` count and ns), so
+    :func:`parse` of the sum gives the totals and the means over every server.
+
+    Raises:
+        ValueError: no entries.
+    """
+    if not entries:
+        raise ValueError("no statistics to merge")
+    if len(entries) == 1:
+        return entries[0]
+    keys = {k for e in entries for k in e.get("inference_stats", {})}
+    return {
+        "name": entries[0].get("name", "?"),
+        "inference_count": sum(int(e.get("inference_count", 0)) for e in entries),
+        "execution_count": sum(int(e.get("execution_count", 0)) for e in entries),
+        "inference_stats": {
+            k: {field: sum(_count_ns(e, k)[i] for e in entries) for i, field in enumerate(("count", "ns"))}
+            for k in keys
+        },
+    }
+
+
 def table(rows: list[StepStats]) -> str:
     """A fixed-width text table, one row per step.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,13 +43,42 @@ def url_protocol(url: str) -> str | None:
     return scheme.lower()
 
 
+def split_urls(url: str | Sequence[str]) -> list[str]:
+    """The endpoints in ``url``: a list (or tuple) of urls, or one string of urls separated by commas.
+
+    Each is stripped of spaces; none is normalised here.
+
+    Raises:
+        ValueError: an empty entry (``"a:1,,b:2"``), no entry at all, or an entry that is not a str.
+    """
+    parts = url.split(",") if isinstance(url, str) else list(url)
+    if not parts or not all(isinstance(p, str) and p.strip() for p in parts):
+        raise ValueError(f"url must be host:port, or several separated by commas or in a list; got {url!r}")
+    return [p.strip() for p in parts]
+
+
+def urls_protocol(urls: Sequence[str]) -> str | None:
+    """The protocol the urls' schemes name (:func:`url_protocol`); None when none has a scheme.
+
+    Raises:
+        ValueError: an unknown scheme, or two urls whose schemes differ.
+    """
+    schemes = {s for s in (url_protocol(u) for u in urls) if s}
+    if len(schemes) > 1:
+        raise ValueError(f"the urls' schemes differ; one client speaks one protocol: {', '.join(urls)}")
+    return schemes.pop() if schemes else None
+
+
 MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` the server accepts, ms (python_backends/torchscript/overload.py)."""
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Client settings; see :class:`triton_embed.EmbeddingClient` for their meaning."""
+    """Client settings; see :class:`triton_embed.EmbeddingClient` for their meaning.
+
+    ``urls``: the endpoints, normalised ``host:port``; ``url``: the same joined by commas (one url: that url).
+    """
 
     url: str
     protocol: str
@@ -63,29 +93,41 @@ class Settings:
     headers: dict[str, str] | None
     latency_budget_ms: float | None = None
     truncate: bool | None = None
+    urls: tuple[str, ...] = ()
 
     @classmethod
-    def make(cls, *, url: str | None, protocol: str | None, **kwargs: Any) -> Settings:
+    def make(cls, *, url: str | Sequence[str] | None, protocol: str | None, **kwargs: Any) -> Settings:
         """Fill ``url``/``protocol`` from ``TRITON_EMBED_URL``/``TRITON_EMBED_PROTOCOL`` or the defaults.
 
+        ``url`` (and ``TRITON_EMBED_URL``) may name several endpoints: a list, or one string separated by commas.
+
         Raises:
-            ValueError: unknown protocol, a url that is not host:port, or retries/timeout/concurrency/latency budget
+            ValueError: unknown protocol, a url that is not host:port, urls whose schemes differ, one url listed
+                twice, ``use_shared_memory`` with more than one url, or retries/timeout/concurrency/latency budget
                 out of range.
         """
         url_given = bool(url)
-        url = url or os.environ.get(URL_ENV)
-        scheme = url_protocol(url) if url else None
+        given = url or os.environ.get(URL_ENV)
+        raw = split_urls(given) if given else []
+        scheme = urls_protocol(raw)
         if protocol and scheme and protocol.lower() != scheme:
-            raise ValueError(f"protocol {protocol!r} contradicts the url's scheme: {url!r}")
+            raise ValueError(f"protocol {protocol!r} contradicts the url's scheme: {given!r}")
         from_env = os.environ.get(PROTOCOL_ENV)
         # a url passed in picks its protocol over the environment's; two environment settings must agree
         if not protocol and not url_given and scheme and from_env and from_env.lower() != scheme:
-            raise ValueError(f"${PROTOCOL_ENV}={from_env!r} contradicts the url's scheme: {url!r}")
+            raise ValueError(f"${PROTOCOL_ENV}={from_env!r} contradicts the url's scheme: {given!r}")
         protocol = (protocol or scheme or from_env or "grpc").lower()
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be 'grpc' or 'http'; got {protocol!r}")
-        url = normalise_url(url or DEFAULT_URLS[protocol])
-        settings = cls(url=url, protocol=protocol, **kwargs)
+        urls = tuple(normalise_url(u) for u in raw or [DEFAULT_URLS[protocol]])
+        if twice := sorted({u for u in urls if urls.count(u) > 1}):
+            raise ValueError(f"url lists {', '.join(twice)} more than once")
+        if kwargs.get("use_shared_memory") and len(urls) > 1:
+            raise ValueError(
+                f"use_shared_memory needs one url (shared memory works only with a server on this host); got "
+                f"{len(urls)}: {', '.join(urls)}"
+            )
+        settings = cls(url=",".join(urls), protocol=protocol, urls=urls, **kwargs)
         budget = settings.latency_budget_ms
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= MAX_BUDGET_MS
