@@ -22,6 +22,7 @@ from triton_embed.core import (
     Steps,
     advance,
     check_dimensions,
+    grpc_channel_args,
     max_batch_and_dim,
     shorten,
 )
@@ -65,7 +66,7 @@ class AsyncEmbeddingClient(ClientCore):
         client = self._clients.get(endpoint)
         if client is None:
             if self.settings.protocol == "grpc":
-                client = self._module.InferenceServerClient(endpoint)
+                client = self._module.InferenceServerClient(endpoint, channel_args=grpc_channel_args())
             else:
                 client = self._module.InferenceServerClient(endpoint, conn_timeout=self.settings.timeout_s)
             self._clients[endpoint] = client

@@ -23,6 +23,7 @@ from triton_embed.core import (
     Steps,
     advance,
     check_dimensions,
+    grpc_channel_args,
     max_batch_and_dim,
     shorten,
 )
@@ -113,7 +114,7 @@ class EmbeddingClient(ClientCore):
         client = clients.get(endpoint)
         if client is None:
             if self.protocol == "grpc":
-                client = self._module.InferenceServerClient(endpoint)
+                client = self._module.InferenceServerClient(endpoint, channel_args=grpc_channel_args())
             else:
                 t = self.settings.timeout_s
                 client = self._module.InferenceServerClient(endpoint, connection_timeout=t, network_timeout=t)

@@ -132,6 +132,32 @@ def endpoint_failed(error: EmbeddingError) -> bool:
     return retryable(error) and not any(marker in str(error) for marker in OVERLOADED)
 
 
+RECONNECT_BACKOFF_MS = 1000
+"""The longest a gRPC connection waits between attempts to reconnect to a server that went away, ms."""
+
+
+def grpc_channel_args() -> list[tuple[str, int]]:
+    """Channel arguments of this client's gRPC connections: tritonclient's own, and reconnects at most 1 s apart.
+
+    gRPC's default reconnect backoff grows to 120 s while a server is down, and every channel to that address in
+    the process shares it: a server back after a minute's outage would get no requests for up to two more. With
+    this cap a connection reconnects within about a second of the server listening again.
+    """
+    import tritonclient.grpc as grpcclient
+
+    keepalive = grpcclient.KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ]
+
+
 PROBE_TIMEOUT_S = 2.0
 """The longest a readiness probe of a down endpoint waits (gRPC deadline, asyncio wait), seconds; at most timeout_s."""
 
