@@ -289,10 +289,10 @@ class EndpointPool:
 
     def _note(self, ep: Endpoint, ok: bool | None) -> None:
         if ok is True:
-            ep.down, ep.failed_probes = False, 0
+            ep.down = False
         elif ok is False:
-            # a failure while already down pushes its cool-down on (at the same length): while every endpoint is
-            # down, requests go to the one whose cool-down ends first, so they take turns
+            # going down starts the cool-down over; a failure while already down pushes it on at the same length:
+            # while every endpoint is down, requests go to the one whose cool-down ends first, so they take turns
             ep.failed_probes = ep.failed_probes if ep.down else 0
             ep.down = True
             ep.retry_at = self._clock() + cooldown(ep.failed_probes)
