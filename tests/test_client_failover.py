@@ -208,55 +208,63 @@ def test_a_killed_server_costs_no_failed_call_and_gets_traffic_again_once_ready(
     Budget 0: while b loads its model (~20-40 s of both cores) a's encoder queue waits past the 180 ms budget.
     """
     _, b = servers
-    loop = EventLoopThread()
+    loop, pool = EventLoopThread(), ThreadPoolExecutor(1)
     sync_client = EmbeddingClient(url=urls(servers, "grpc"), **NEVER_REFUSED)
     # connects on its first call, in the loop's thread
     async_client = AsyncEmbeddingClient(url=urls(servers, "http"), protocol="http", **NEVER_REFUSED)
-    restarted = False
+    loops: list[tuple[Tally, Future]] = []
+
+    def start_sync(label: str) -> Tally:
+        tally = Tally()
+        loops.append((tally, pool.submit(steady_sync, sync_client, tally, label)))
+        return tally
+
+    def start_async(label: str) -> Tally:
+        tally = Tally()
+        loops.append((tally, loop.submit(steady_async(async_client, tally, label))))
+        return tally
+
+    def stop_loops() -> None:
+        for tally, _ in loops:
+            tally.stop.set()
+        for _, run in loops:
+            run.result(timeout=60)
+        loops.clear()
+
     try:
-        with ThreadPoolExecutor(1) as pool:
-            sync_tally, async_tally = Tally(), Tally()
-            sync_run = pool.submit(steady_sync, sync_client, sync_tally, "steady sync")
-            async_run = loop.submit(steady_async(async_client, async_tally, "steady async"))
-            time.sleep(2.0)
-            assert sync_tally.calls and async_tally.calls, "the loops should be calling"
-            calls_before_kill = (sync_tally.calls, async_tally.calls)
-            kill(b)
-            time.sleep(3.0)  # calls go on, to a only
-            assert sync_tally.calls > calls_before_kill[0] and async_tally.calls > calls_before_kill[1]
-            # what each client reports: b is down
-            assert [s.up for s in sync_client.endpoints] == [True, False], sync_client.endpoints
-            assert [s.up for s in async_client.endpoints] == [True, False], async_client.endpoints
-            b.start().wait_ready()  # the same ports: they stay in its config after the first start
-            restarted = True
-            for tally in (sync_tally, async_tally):
-                tally.stop.set()
-            sync_run.result(timeout=60)
-            async_run.result(timeout=60)
-            assert not sync_tally.failures, sync_tally.failures[:3]
-            assert not async_tally.failures, async_tally.failures[:3]
-            assert sync_tally.calls > calls_before_kill[0] + 10 and async_tally.calls > calls_before_kill[1] + 10
+        sync_tally, async_tally = start_sync("steady sync"), start_async("steady async")
+        time.sleep(2.0)
+        assert sync_tally.calls and async_tally.calls, "the loops should be calling"
+        calls_before_kill = (sync_tally.calls, async_tally.calls)
+        kill(b)
+        time.sleep(3.0)  # calls go on, to a only
+        assert sync_tally.calls > calls_before_kill[0] and async_tally.calls > calls_before_kill[1]
+        # what each client reports: b is down
+        assert [s.up for s in sync_client.endpoints] == [True, False], sync_client.endpoints
+        assert [s.up for s in async_client.endpoints] == [True, False], async_client.endpoints
+        health = sync_client.health()  # ready while one server is, naming the other
+        assert health.model_ready and health.error.startswith(f"{b.grpc_url}: "), health
+        b.start().wait_ready()  # the same ports: they stay in its config after the first start
+        stop_loops()
+        assert not sync_tally.failures, sync_tally.failures[:3]
+        assert not async_tally.failures, async_tally.failures[:3]
+        assert sync_tally.calls > calls_before_kill[0] + 10 and async_tally.calls > calls_before_kill[1] + 10
 
-            # each client in turn, alone, until b's statistics grow: traffic has come back to it
-
-            for name, start in (
-                ("sync gRPC", lambda t: pool.submit(steady_sync, sync_client, t, "back sync")),
-                ("asyncio HTTP", lambda t: loop.submit(steady_async(async_client, t, "back async"))),
-            ):
-                tally, since = Tally(), inferences(b)
-                run = start(tally)
-                try:
-                    # a probe after the cool-down (10 s at most) finds b ready
-                    got = grows(b, since, within_s=30)
-                finally:
-                    tally.stop.set()
-                    run.result(timeout=60)
-                assert got > 0, f"{name}: no call reached the restarted server within 30 s: {tally.calls} calls to a"
-                assert not tally.failures, tally.failures[:3]
+        # each client in turn, alone, until b's statistics grow: traffic has come back to it
+        for name, start in (("sync gRPC", start_sync), ("asyncio HTTP", start_async)):
+            since = inferences(b)
+            tally = start(f"back {name}")
+            got = grows(b, since, within_s=30)  # a probe after the cool-down (10 s at most) finds b ready
+            stop_loops()
+            assert got > 0, f"{name}: no call reached the restarted server within 30 s: {tally.calls} calls to a"
+            assert not tally.failures, tally.failures[:3]
     finally:
+        for tally, _ in loops:
+            tally.stop.set()
+        pool.shutdown(wait=True)
         sync_client.close()
         loop.run(async_client.close())
         loop.close()
-        if not restarted and not b.is_alive():
+        if not b.is_alive():  # for tests after this one
             with contextlib.suppress(Exception):
                 b.start().wait_ready()
