@@ -120,21 +120,24 @@ def naive_system(texts: list[str], levels: list[int], duration: float, sla: floa
 
 def variant_repository(
     dst: Path,
-    fixed_length: int | None,
+    fixed_length: int | None = None,
     *,
     encoder_delay_us: int | None = None,
-    latency_budget_ms: float | None = None,
+    knobs: dict[tuple[str, str], str] | None = None,
+    cache: bool = False,
 ) -> Path:
-    """Copy the model repository to ``dst`` (artifacts symlinked) with the response cache off.
+    """Copy the model repository to ``dst`` (artifacts symlinked), the response cache off unless ``cache``.
 
     Args:
         dst: the new repository folder (must not exist).
         fixed_length: when set, the encoder gets a single bucket of that many tokens: every batch is padded to it.
         encoder_delay_us: when set, the encoder's ``max_queue_delay_microseconds`` (shipped: 0).
-        latency_budget_ms: when set, the encoder's ``LATENCY_BUDGET_MS`` (0 turns load shedding off).
+        knobs: config parameters to set, ``{(model, parameter key): string value}``, e.g.
+            ``{("encoder", "LATENCY_BUDGET_MS"): "0"}``.
+        cache: keep the ensemble's response cache on, as shipped.
 
     Raises:
-        ValueError: the shipped encoder config lacks a value this function rewrites.
+        ValueError: the shipped config lacks a value this function rewrites.
     """
     from triton_embed_server.export import ARTIFACTS
 
@@ -144,8 +147,10 @@ def variant_repository(
     )
     for name in ARTIFACTS:
         (dst / name).symlink_to(src / name)
-    embed = dst / "embed" / "config.pbtxt"
-    embed.write_text(embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }"))
+    if not cache:
+        embed = dst / "embed" / "config.pbtxt"
+        cache_off = embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }")
+        embed.write_text(cache_off)
     encoder = dst / "encoder" / "config.pbtxt"
     text = encoder.read_text()
     if fixed_length is not None:
@@ -157,12 +162,14 @@ def variant_repository(
         text, n = re.subn(r"max_queue_delay_microseconds: \d+", delay, text)
         if n != 1:
             raise ValueError(f"{encoder}: expected one max_queue_delay_microseconds, found {n}")
-    if latency_budget_ms is not None:
-        pattern = r'(key: "LATENCY_BUDGET_MS"\s*value: \{ string_value: )"[^"]*"'
-        text, n = re.subn(pattern, rf'\1"{latency_budget_ms:g}"', text)
-        if n != 1:
-            raise ValueError(f"{encoder}: expected one LATENCY_BUDGET_MS parameter, found {n}")
     encoder.write_text(text)
+    for (model, key), value in (knobs or {}).items():
+        config = dst / model / "config.pbtxt"
+        pattern = rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"'
+        text, n = re.subn(pattern, rf'\1"{value}"', config.read_text())
+        if n != 1:
+            raise ValueError(f"{config}: expected one parameter {key}, found {n}")
+        config.write_text(text)
     return dst
 
 

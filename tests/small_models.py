@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -49,22 +48,4 @@ def repository_for(model: Path, repo: Path) -> Path:
 
     shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "*.json"))
     exporter.export(model, repo)
-    return repo
-
-
-def repository_with_knobs(repo: Path, knobs: dict[tuple[str, str], str]) -> Path:
-    """A copy of the project's configs at ``repo``, the exported artifacts linked, with config parameters edited.
-
-    ``knobs``: ``{(model, parameter key): new string_value}``; each must exist in that model's ``config.pbtxt``.
-    """
-    from triton_embed_server.export import ARTIFACTS
-
-    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "*.json"))
-    for name in ARTIFACTS:
-        (repo / name).symlink_to(REPO_ROOT / "model_repository" / name)
-    for (model, key), value in knobs.items():
-        config = repo / model / "config.pbtxt"
-        text, n = re.subn(rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text())
-        assert n == 1, f"{config} has no parameter {key}"
-        config.write_text(text)
     return repo

@@ -95,7 +95,11 @@ def windowed_server(tmp_path_factory):
     """The shipped repository with a 200 ms batching window on the encoder (shipped: 0), so concurrent requests
     deterministically meet in the queue, and load shedding off (the window alone would exceed its budget)."""
     tmp = tmp_path_factory.mktemp("windowed")
-    repo = variant_repository(tmp / "repo", fixed_length=None, encoder_delay_us=200_000, latency_budget_ms=0)
+    repo = variant_repository(
+        tmp / "repo",
+        encoder_delay_us=200_000,
+        knobs={("encoder", "LATENCY_BUDGET_MS"): "0"},
+    )
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from small_models import repository_with_knobs
+
+from bench.run import variant_repository
 
 
 def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_path):
@@ -13,7 +14,7 @@ def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_pat
         ("encoder", "LATENCY_BUDGET_MS"): "abc",
         ("tokenizer", "MAX_SEQ_LENGTH"): "128",  # tokenizer.json truncates at 256
     }
-    repo = repository_with_knobs(tmp_path / "repo", knobs)
+    repo = variant_repository(tmp_path / "repo", knobs=knobs, cache=True)
     log = tmp_path / "tritonserver.log"
     server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log)
     with pytest.raises(ServerError), server:

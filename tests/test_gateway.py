@@ -349,11 +349,12 @@ def test_langchain_openai_embeddings_get_the_reference_vectors(gateway, referenc
 
 def test_overload_from_triton_is_503_with_retry_after(tmp_path):
     """An encoder whose latency budget every request overruns refuses as overloaded; the gateway says 503, retry."""
-    from small_models import repository_with_knobs
     from triton_embed_server.embedded import EmbeddedServer
 
+    from bench.run import variant_repository
+
     knobs = {("encoder", "LATENCY_BUDGET_MS"): "0.000001", ("encoder", "REFUSAL_HOLD_MS"): "0"}
-    repo = repository_with_knobs(tmp_path / "repo", knobs)
+    repo = variant_repository(tmp_path / "repo", knobs=knobs, cache=True)
     server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log")
     with server, gateway_running(server.grpc_url, tmp_path / "gateway.log") as base:
         status, answer, headers = post(f"{base}/v1/embeddings", {"input": "refused as overloaded"})

@@ -140,7 +140,9 @@ def slow_encoder_server(tmp_path_factory):
     from bench.run import variant_repository
 
     tmp = tmp_path_factory.mktemp("slow")
-    repo = variant_repository(tmp / "repo", None, encoder_delay_us=SLOW_QUEUE_DELAY_US, latency_budget_ms=0)
+    repo = variant_repository(
+        tmp / "repo", encoder_delay_us=SLOW_QUEUE_DELAY_US, knobs={("encoder", "LATENCY_BUDGET_MS"): "0"}
+    )
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 
