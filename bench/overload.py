@@ -14,6 +14,8 @@ Against the embedded server on a copy of the model repository (response cache of
 3. Open-loop Poisson arrivals at 1.5x and 3x capacity: successes/s against capacity, accepted p99 after the
    first second, requests left without an answer.
 4. Zero refusals right after an idle spell: the knee's concurrency again after 5 s of silence.
+5. Parts 2 and 3 again against a second server with ``MAX_IN_FLIGHT`` 0 (no door; ``--no-door-off-too`` skips it),
+   so that what the door carries shows side by side.
 
 Runs on the same cores as the server, so the clients' own CPU counts against it (a shared 2-core machine here).
 """
@@ -175,6 +177,25 @@ async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float,
     )
 
 
+def floods(url: str, texts: list[str], args: argparse.Namespace, *, best: float, capacity: float, door: str) -> None:
+    """Print the no-backoff loops and the Poisson bursts against ``url``, each row labelled with ``door``."""
+    print(f"\nno-backoff closed loops (gRPC asyncio, retry at once), MAX_IN_FLIGHT {door}:")
+    print("| clients | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors |")
+    print("|---|---|---|---|---|---|---|")
+    for clients in (int(x) for x in args.loops.split(",")):
+        r = asyncio.run(no_backoff_loop(url, texts, clients, args.loop_s))
+        print(f"| {r.clients} | {r.ok_per_s:.0f} | {r.ok_per_s / best:.2f} | {r.refused_per_s:.0f} | "
+              f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} |", flush=True)  # fmt: skip
+    print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity {capacity:.0f} req/s), MAX_IN_FLIGHT {door}:")
+    print("| offered | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s |")
+    print("|---|---|---|---|---|---|---|")
+    for factor in (float(x) for x in args.rates.split(",")):
+        time.sleep(3)
+        r = asyncio.run(poisson_burst(url, texts[::-1], factor * capacity, args.burst_s))
+        print(f"| {factor:g}x = {r.rate:.0f}/s | {r.sent} | {r.ok_per_s:.0f} | {r.ok_per_s / capacity:.2f} | "
+              f"{r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms |", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
     """Run every part against one server; print the figures with their ratios to the best throughput and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -185,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     parser.add_argument("--burst-s", type=float, default=20.0)
     parser.add_argument("--skip-sweep", action="store_true", help="no perf_analyzer; needs --capacity")
     parser.add_argument("--capacity", type=float, default=0.0, help="req/s, when the sweep is skipped")
+    parser.add_argument("--door-off-too", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the floods against a server with MAX_IN_FLIGHT 0")  # fmt: skip
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from triton_embed_server.embedded import EmbeddedServer
@@ -226,22 +249,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
                       f"refusals: {'none' if not again.error else 'aborted: ' + again.error}")  # fmt: skip
 
             loop_texts = unique_texts(400_000, "loop")
-            print("\nno-backoff closed loops (gRPC asyncio, retry at once):")
-            print("| clients | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors |")
-            print("|---|---|---|---|---|---|---|")
-            for clients in (int(x) for x in args.loops.split(",")):
-                r = asyncio.run(no_backoff_loop(server.grpc_url, loop_texts, clients, args.loop_s))
-                print(f"| {r.clients} | {r.ok_per_s:.0f} | {r.ok_per_s / best_shipped:.2f} | {r.refused_per_s:.0f} | "
-                      f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} |", flush=True)  # fmt: skip
-
-            print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity {capacity:.0f} req/s):")
-            print("| offered | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s |")
-            print("|---|---|---|---|---|---|---|")
-            for factor in (float(x) for x in args.rates.split(",")):
-                time.sleep(3)
-                r = asyncio.run(poisson_burst(server.grpc_url, loop_texts[::-1], factor * capacity, args.burst_s))
-                print(f"| {factor:g}x = {r.rate:.0f}/s | {r.sent} | {r.ok_per_s:.0f} | {r.ok_per_s / capacity:.2f} | "
-                      f"{r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms |", flush=True)  # fmt: skip
+            floods(server.grpc_url, loop_texts, args, best=best_shipped, capacity=capacity, door="shipped")
+        if args.door_off_too:  # the same floods with the door open: what MAX_IN_FLIGHT carries
+            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("tokenizer", "MAX_IN_FLIGHT"): "0"})
+            with EmbeddedServer(model_repository=repo_off, http_port=0, grpc_port=0, metrics_port=0,
+                                log_file=Path(tmp) / "tritonserver-off.log") as server:  # fmt: skip
+                floods(server.grpc_url, loop_texts[::-1], args, best=best_shipped, capacity=capacity, door="0")
     return 0
 
 

@@ -1,9 +1,9 @@
 """The server's refusals over a run, sampled from Triton's ``/metrics``.
 
-The encoder refuses the requests that waited longer than their latency budget in its queue
-(python_backends/torchscript/overload.py, docs/overload.md) and counts them in
-``triton_embed_shed_requests_total{model="encoder"}``; a run's failures and tail
-are read against that count, second by second. The libtorch encoder publishes no such counter: then nothing is
+The tokenizer refuses the requests past ``MAX_IN_FLIGHT`` and the encoder those that waited longer than their
+latency budget in its queue (python_backends/triton_embed_protocol/overload.py, docs/overload.md); both count them in
+``triton_embed_shed_requests_total`` (labels ``model="tokenizer"`` and ``model="encoder"``); a run's failures and
+tail are read against that count, second by second. The libtorch encoder publishes no such counter: then nothing is
 sampled.
 """
 
@@ -20,7 +20,7 @@ import gevent
 
 log = logging.getLogger("loadtest")
 
-METRIC = "triton_embed_shed_requests_total"  # python_backends/torchscript/overload.py: METRIC
+METRIC = "triton_embed_shed_requests_total"  # python_backends/triton_embed_protocol/overload.py: METRIC
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -134,3 +135,44 @@ def test_clients_that_retry_at_once_keep_the_goodput(fresh_server):
     assert best.other_errors == 0 and flood.other_errors == 0
     # Generous for a noisy CI on 2 cores shared with the clients; the benchmark carries the real figure.
     assert flood.ok_per_s >= 0.6 * best.ok_per_s
+
+
+@pytest.fixture(scope="module")
+def narrow_door(tmp_path_factory):
+    """MAX_IN_FLIGHT 2 and the encoder's budget off, so that only the door refuses."""
+    tmp = tmp_path_factory.mktemp("door")
+    knobs = {("tokenizer", "MAX_IN_FLIGHT"): "2", ("encoder", "LATENCY_BUDGET_MS"): "0"}
+    repo = variant_repository(tmp / "repo", knobs=knobs, cache=True)
+    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_past_max_in_flight_a_request_is_refused_when_due_naming_the_knob_and_exempt_with_budget_zero(
+    narrow_door, protocol
+):
+    url = narrow_door.grpc_url if protocol == "grpc" else narrow_door.http_url
+    metric = 'triton_embed_shed_requests_total{model="tokenizer"}'
+    before = scrape(narrow_door.metrics_url).get(metric, 0.0)
+    long_texts = [f"{protocol} {i} " + "a long sentence to keep the encoder busy " * 30 for i in range(64)]
+    with ThreadPoolExecutor(2) as pool:  # two requests of 64 long texts: each keeps the encoder busy for a while
+        busy = [pool.submit(infer, url, "embed", {"TEXT": text_tensor(long_texts[k::2])}, ["EMBEDDING"], protocol)
+                for k in (0, 1)]  # fmt: skip
+        time.sleep(0.3)
+        assert not any(f.done() for f in busy), "the encoder answered before the third request could be refused"
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as caught:
+            infer(url, "embed", {"TEXT": text_tensor([f"{protocol} a third request"])}, ["EMBEDDING"], protocol)
+        held_s = time.monotonic() - started
+        exempt = infer(url, "embed", {"TEXT": text_tensor([f"{protocol} a bulk job"])}, ["EMBEDDING"], protocol,
+                       {"latency_budget_ms": 0})  # fmt: skip
+        for f in busy:
+            assert f.result()["EMBEDDING"].shape == (32, 384)
+    assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
+    assert "2 requests are in flight, the limit is 2 (MAX_IN_FLIGHT in the tokenizer's config" in caught.value.message()
+    assert held_s >= HOLD_S - 0.05  # held, not answered at once
+    assert exempt["EMBEDDING"].shape == (1, 384)
+    assert scrape(narrow_door.metrics_url)[metric] == before + 1
+    # Every answer counted its request out: the door is open again.
+    served = infer(url, "embed", {"TEXT": text_tensor([f"{protocol} after the others"] * 2)}, ["EMBEDDING"], protocol)
+    assert served["EMBEDDING"].shape == (2, 384)

@@ -70,7 +70,7 @@ def urls_protocol(urls: Sequence[str]) -> str | None:
 
 
 MAX_BUDGET_MS = 3_600_000.0
-"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/torchscript/overload.py)."""
+"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/triton_embed_protocol/overload.py)."""
 
 
 @dataclass(frozen=True)

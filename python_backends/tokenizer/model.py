@@ -11,7 +11,7 @@ when that gives the same ids: ``long_texts.py``), plus one for the texts whose `
 back per request. Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the
 longest text of that request in tokens (shorter rows padded with the pad id and mask 0); ``queued_ns``, int64
 ``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue, from which
-the encoder's overload control counts each request's wait (python_backends/torchscript/overload.py); and
+the encoder's overload control counts each request's wait (python_backends/triton_embed_protocol/overload.py); and
 ``token_count``, int64 ``[n_texts, 1]``: each text's tokens after truncation, prompt and special tokens included.
 
 A bad request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, an
@@ -26,10 +26,12 @@ both, and unlike them is part of the response cache's key.
 from __future__ import annotations
 
 import json
+import math
 import os
 import site
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Triton 2.51 workaround (docs/troubleshooting.md): the stub starts its interpreter without reading PYTHONPATH.
@@ -58,6 +60,16 @@ from triton_embed_protocol import (
     config_number,
     config_parameters,
     request_parameters,
+)
+from triton_embed_protocol.metric_lifetime import keep
+from triton_embed_protocol.overload import (
+    METRIC,
+    METRIC_HELP,
+    BudgetError,
+    InFlight,
+    RefusalHold,
+    admit,
+    request_budget_ms,
 )
 
 END, START, NONE = MODES = ("END", "START", "NONE")
@@ -173,6 +185,18 @@ class TritonPythonModel:
                 f"config parameter MAX_SEQ_LENGTH is {configured} but {path} truncates at {self.max_tokens}: "
                 "run `make model` (it sets both)"
             )
+        try:
+            self.max_in_flight = config_number(params, "MAX_IN_FLIGHT", "0", integer=True)
+            self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
+        self.in_flight = InFlight(args["model_repository"])
+        self.in_flight.reset()
+        self.refusals = RefusalHold()
+        self._shed_family = pb_utils.MetricFamily(
+            name=METRIC, description=METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
+        )
+        self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
         self.truncate = params.get("TRUNCATION", "truncate")
         if self.truncate not in ("truncate", "error"):
             raise pb_utils.TritonModelException(
@@ -224,21 +248,67 @@ class TritonPythonModel:
             out.append(self.prompts.get(name, "") + text)
         return out
 
-    def execute(self, requests: list) -> list:
-        """Tokenise all requests' texts in two calls at most (END/NONE and START); one response per request."""
+    def finalize(self) -> None:
+        """Answer the refusals still held; keep the refusal counter alive for good (``metric_lifetime.py``)."""
+        self.refusals.close()
+        self.in_flight.remove()
+        keep(self._shed_metric, self._shed_family)
+
+    def _refuse_at_the_door(self, requests: list, parameters: list[dict], arrived_ns: int, errors: dict) -> set[int]:
+        """Refuse the requests past ``MAX_IN_FLIGHT`` (``overload.admit``); each refusal is answered when due.
+
+        Args:
+            requests: this execution's requests.
+            parameters: their parsed parameters.
+            arrived_ns: when this execution began (``time.monotonic_ns()``); refusals are answered
+                ``REFUSAL_HOLD_MS`` later.
+            errors: filled with the INVALID_ARG message of each request whose ``latency_budget_ms`` is bad.
+
+        Returns:
+            the indices of the refused requests.
+        """
+        budgets: dict[int, float] = {}
+        for i, request_parameters_ in enumerate(parameters):
+            try:
+                budgets[i] = request_budget_ms(request_parameters_, math.inf)  # no budget of its own: not exempt
+            except BudgetError as exc:
+                errors[i] = str(exc)
+        if not self.max_in_flight:
+            return set()
+        candidates = list(budgets)
+        refused = admit(self.in_flight.count(), self.max_in_flight, [budgets[i] for i in candidates])
+        for k, message in refused.items():
+            error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+            response = pb_utils.InferenceResponse(output_tensors=[], error=error)
+            self.refusals.hold(arrived_ns + self.refusal_hold_ns, _answer(requests[candidates[k]], response))
+        if refused:
+            self._shed_metric.increment(len(refused))
+        return {candidates[k] for k in refused}
+
+    def execute(self, requests: list) -> None:
+        """Refuse at the door past ``MAX_IN_FLIGHT``; tokenise the rest's texts in two calls at most (END/NONE, START).
+
+        Every request is answered through its response sender: at once, or a refusal ``REFUSAL_HOLD_MS`` after this
+        execution began (``overload.RefusalHold``).
+        """
+        arrived_ns = time.monotonic_ns()
         parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
         modes_per_request: list[list[str]] = []
         errors: dict[int, str] = {}
+        refused = self._refuse_at_the_door(requests, parameters, arrived_ns, errors)
         for i, request in enumerate(requests):
-            try:
-                texts = decode_texts(pb_utils.get_input_tensor_by_name(request, TEXT), self.max_text_bytes)
-                modes_per_request.append(self._modes(request, len(texts), parameters[i]))
-                texts_per_request.append(self._prompted(request, texts))
-            except RequestError as exc:
-                errors[i] = str(exc)
-                texts_per_request.append(None)
-                modes_per_request.append([])
+            texts: list[str] | None = None
+            modes: list[str] = []
+            if i not in errors and i not in refused:
+                try:
+                    decoded = decode_texts(pb_utils.get_input_tensor_by_name(request, TEXT), self.max_text_bytes)
+                    modes = self._modes(request, len(decoded), parameters[i])
+                    texts = self._prompted(request, decoded)
+                except RequestError as exc:
+                    errors[i] = str(exc)
+            texts_per_request.append(texts)
+            modes_per_request.append(modes)
 
         rows = [
             (i, row, text, mode)
@@ -270,15 +340,37 @@ class TritonPythonModel:
             encoded[i, row] = enc
 
         queued_ns = time.monotonic_ns()
-        responses = []
+        responses = {}
+        handed_on = 0
         for i, texts in enumerate(texts_per_request):
+            if i in refused:
+                continue
             if i in errors or texts is None:
                 error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=error)
                 continue
             ids, mask = pad_rows([encoded[i, row].ids for row in range(len(texts))], self.pad_id)
             queued = pb_utils.Tensor(QUEUED, np.full((len(texts), 1), queued_ns, dtype=np.int64))
             counts = pb_utils.Tensor(TOKEN_COUNT, mask.sum(axis=1, keepdims=True))
             tensors = [pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued, counts]
-            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-        return responses
+            responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+            handed_on += QUEUED in request_outputs(requests[i])  # the ensemble feeds it to the encoder
+        if handed_on:
+            self.in_flight.add(handed_on)  # before the answers: the encoder's count-down must not come first
+        for i, response in responses.items():
+            _answer(requests[i], response)()
+
+
+def request_outputs(request) -> set[str]:
+    """The outputs ``request`` asks for.
+
+    The ensemble asks for every output it maps, ``queued_ns`` among them; a direct caller that names only the tokens
+    is not counted in flight, since no encoder step follows.
+    """
+    return set(request.requested_output_names())
+
+
+def _answer(request, response) -> Callable[[], None]:
+    """A call that sends ``response`` as ``request``'s one and final response."""
+    sender = request.get_response_sender()
+    return lambda: sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -9,10 +9,11 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 :class:`runners.BucketedRunner` (padded up to a length bucket; CUDA graph replay per bucket on a GPU instance),
 and the rows are split back per request.
 
-Overload control (``overload.py``, docs/overload.md): the tokenizer stamps each request with ``queued_ns`` as it hands
-it on (``time.monotonic_ns()``, one clock for every process on the host). At each execution the requests that have
-waited longer than ``LATENCY_BUDGET_MS`` (config parameter; 0 = off) since that stamp are answered UNAVAILABLE,
-``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted in ``triton_embed_shed_requests_total``.
+Overload control (``triton_embed_protocol.overload``, docs/overload.md): the tokenizer stamps each request with
+``queued_ns`` as it hands it on (``time.monotonic_ns()``, one clock for every process on the host) and counts it in
+flight. At each execution the requests that have waited longer than ``LATENCY_BUDGET_MS`` (config parameter; 0 =
+off) since that stamp are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late;
+counted in ``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered.
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
@@ -42,8 +43,6 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
-from metric_lifetime import keep
-from overload import METRIC, METRIC_HELP, BudgetError, RefusalHold, request_budget_ms, shed
 from runners import BucketedRunner, load_module
 from triton_embed_protocol import (
     QUEUED,
@@ -52,6 +51,16 @@ from triton_embed_protocol import (
     config_number,
     config_parameters,
     request_parameters,
+)
+from triton_embed_protocol.metric_lifetime import keep
+from triton_embed_protocol.overload import (
+    METRIC,
+    METRIC_HELP,
+    BudgetError,
+    InFlight,
+    RefusalHold,
+    request_budget_ms,
+    shed,
 )
 
 OUTPUT = "embedding__0"
@@ -171,6 +180,8 @@ class TritonPythonModel:
         )
         self.runner.warmup()
         self.refusals = RefusalHold()
+        self.in_flight = InFlight(args["model_repository"])
+        self.in_flight.reset()
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -183,14 +194,30 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Answer the refusals still held; leave the metrics to Triton (``metric_lifetime.py``)."""
         self.refusals.close()
+        self.in_flight.remove()
         self._metrics.close()
 
     def execute(self, requests: list) -> None:
         """Validate each request, refuse those that waited past their budget, run the rest as one batch, split the rows.
 
         Every request is answered through its response sender: at once, or a refusal when it falls due
-        (``overload.RefusalHold``), so that a held refusal never holds up the next execution.
+        (``overload.RefusalHold``), so that a held refusal never holds up the next execution. The requests the
+        tokenizer counted in flight are counted out, whatever happens.
         """
+        self.in_flight.started()
+        self._owed = len(requests)  # until the stamps are read (counting out too many only reads low)
+        try:
+            self._execute(requests)
+        finally:
+            self._count_out()
+
+    def _count_out(self) -> None:
+        """Count this execution's requests out of flight, once (``overload.InFlight``)."""
+        if self._owed:
+            self.in_flight.answered(self._owed)
+            self._owed = 0
+
+    def _execute(self, requests: list) -> None:
         now_ns = time.monotonic_ns()
         pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
         errors: dict[int, pb_utils.TritonError] = {}
@@ -207,8 +234,12 @@ class TritonPythonModel:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 budgets.append(0.0)
                 pieces.append(None)
+        self._owed = sum(stamp is not None for stamp in stamps)  # direct callers were never counted in
         live = [i for i, piece in enumerate(pieces) if piece is not None]
-        refused = shed([waited[i] for i in live], [budgets[i] for i in live])  # overload control (overload.py)
+        refused = shed([waited[i] for i in live], [budgets[i] for i in live])  # the wait rule
+        if refused:  # out of flight before a refusal falls due: its client may send again at once
+            self.in_flight.answered(len(refused), idle=False)
+            self._owed -= len(refused)
         for k, message in refused.items():
             error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
             answer = _answer(requests[live[k]], pb_utils.InferenceResponse(output_tensors=[], error=error))
@@ -227,6 +258,7 @@ class TritonPythonModel:
                     f"[{ids.shape[0]}, {self.dim}]"
                 )
 
+        self._count_out()
         row = 0  # split
         for i, piece in enumerate(pieces):
             if piece is not None:

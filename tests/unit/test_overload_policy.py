@@ -1,18 +1,14 @@
-"""The encoder's overload control as pure logic: budgets, which requests are refused, refusals held until due."""
+"""Overload control as pure logic: budgets, the door, the shared in-flight count, refusals held until due."""
 
 from __future__ import annotations
 
-import sys
+import math
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from triton_embed_protocol import request_parameters
-
-BACKENDS = Path(__file__).resolve().parents[2] / "python_backends"
-sys.path.insert(0, str(BACKENDS / "torchscript"))
-from overload import BudgetError, RefusalHold, request_budget_ms, shed  # noqa: E402
+from triton_embed_protocol.overload import BudgetError, InFlight, RefusalHold, admit, request_budget_ms, shed
 
 
 @pytest.mark.parametrize(("parameters", "expected"), [
@@ -63,3 +59,48 @@ def test_refusals_are_answered_when_due_in_due_order_and_all_on_close():
     assert hold.pending() >= 1
     hold.close()
     assert done.is_set() and hold.pending() == 0
+
+
+def test_the_door_admits_up_to_the_limit_in_order_and_refuses_the_rest_naming_the_knob():
+    refused = admit(in_flight=30, limit=32, budgets_ms=[math.inf] * 5)
+    assert sorted(refused) == [2, 3, 4]
+    assert "32 requests are in flight, the limit is 32 (MAX_IN_FLIGHT" in refused[2]
+
+
+def test_budget_zero_passes_the_door_and_counts_in_flight():
+    refused = admit(in_flight=31, limit=32, budgets_ms=[0.0, math.inf, 0.0, 180.0])
+    assert sorted(refused) == [1, 3]
+
+
+def test_no_limit_refuses_nothing():
+    assert admit(in_flight=10_000, limit=0, budgets_ms=[math.inf] * 64) == {}
+
+
+def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_itself(tmp_path):
+    (tmp_path / "repo" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "repo" / "encoder").mkdir()
+    (tmp_path / "other" / "encoder").mkdir(parents=True)
+    tokenizer = InFlight(tmp_path / "repo" / "tokenizer")
+    encoder = InFlight(tmp_path / "repo" / "encoder")
+    elsewhere = InFlight(tmp_path / "other" / "encoder")
+    try:
+        encoder.reset()
+        encoder.started()  # busy: the count stands however long
+        assert tokenizer.add(5) == 5
+        time.sleep(0.15)
+        assert encoder.count() == 5 and elsewhere.count() == 0  # another repository (or server) has its own
+        assert encoder.answered(3) == 2
+        assert tokenizer.count() == 2  # the encoder went idle just now: the two may still reach it
+        time.sleep(0.15)
+        assert tokenizer.count() == 0  # idle for 100 ms: they never will (a direct call of the tokenizer)
+        encoder.started()
+        assert encoder.answered(7) == 0  # never below 0
+        tokenizer.add(4)
+        encoder.reset()
+        assert tokenizer.count() == 0
+        tokenizer.add(2)
+        encoder.remove()
+        assert tokenizer.count() == 0 and tokenizer.add(1) == 1
+    finally:
+        for count in (tokenizer, elsewhere):
+            count.remove()

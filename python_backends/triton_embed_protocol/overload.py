@@ -1,0 +1,261 @@
+"""Overload control: at most ``MAX_IN_FLIGHT`` requests in the service, and none served after its latency budget.
+
+Policy: the tokenizer refuses a request that arrives while ``MAX_IN_FLIGHT`` requests are already between it and the
+encoder's answer, and the encoder refuses a request that has waited longer than its latency budget in its queue.
+Every refusal is answered ``REFUSAL_HOLD_MS`` after the request arrived, so a client that retries at once cannot send
+faster than the server answers.
+
+Nothing is refused on a prediction, and a closed loop of up to ``MAX_IN_FLIGHT`` clients is never refused at the
+door. The request parameter ``latency_budget_ms`` 0 exempts a request from both rules (bulk jobs). Design and
+figures: docs/overload.md.
+
+Used by both backends (tokenizer: :func:`admit`, encoder: :func:`shed`); pure Python, no torch, no Triton:
+tests/unit/test_overload_policy.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import heapq
+import itertools
+import os
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MAX_BUDGET_MS = 3_600_000.0
+"""The longest ``latency_budget_ms`` a request may carry, ms (an hour; 0 is "never refuse" for longer jobs)."""
+METRIC = "triton_embed_shed_requests_total"
+"""Counter of requests refused by the encoder's overload control, labelled ``model``."""
+METRIC_HELP = (
+    "Requests answered UNAVAILABLE as overloaded: at the tokenizer (MAX_IN_FLIGHT reached) or at the encoder "
+    "(waited longer than LATENCY_BUDGET_MS)"
+)
+
+
+class BudgetError(ValueError):
+    """The request parameter ``latency_budget_ms`` is not a number of ms from 0 to :data:`MAX_BUDGET_MS`."""
+
+
+def request_budget_ms(parameters: dict, default_ms: float) -> float:
+    """A request's latency budget: its parameter ``latency_budget_ms`` when present, else ``default_ms``.
+
+    Args:
+        parameters: the request's parameters (``triton_embed_protocol.request_parameters``).
+        default_ms: the model's ``LATENCY_BUDGET_MS``, ms.
+
+    Returns:
+        the budget, ms (0 = never refuse this request).
+
+    Raises:
+        BudgetError: the parameter is present but not a number from 0 to :data:`MAX_BUDGET_MS`; the message names
+            the field, the limits and the value.
+    """
+    value = parameters.get("latency_budget_ms")
+    if value is None:
+        return default_ms
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
+        raise BudgetError(
+            f"request parameter 'latency_budget_ms' must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} "
+            f"(0 = never refused); got {value!r}"
+        )
+    return float(value)
+
+
+def refusal_message(waited_ms: float, budget_ms: float) -> str:
+    """The UNAVAILABLE message of a refused request: its wait, the budget and the knobs.
+
+    Args:
+        waited_ms: the request's wait in the encoder's queue, ms.
+        budget_ms: the request's latency budget, ms.
+    """
+    return (
+        f"overloaded: the request waited {waited_ms:.0f} ms in the encoder's queue, over the {budget_ms:g} ms "
+        "latency budget (LATENCY_BUDGET_MS in the encoder's config; the request parameter latency_budget_ms "
+        "overrides it, 0 = never refused). Retry with backoff"
+    )
+
+
+def shed(waited_ms: list[float | None], budgets_ms: list[float]) -> dict[int, str]:
+    """The requests of one execution to refuse, each with its message; the others run as one batch.
+
+    A request is refused when it has waited longer than its budget in the encoder's queue: it has already missed,
+    and serving it would only make the requests behind it miss too. Nothing is refused on a prediction.
+
+    Args:
+        waited_ms: per request, ms since it entered the encoder's queue; None (a direct caller, no stamp) is never
+            refused.
+        budgets_ms: per request, its latency budget, ms; 0 = never refused.
+
+    Returns:
+        ``{request index: UNAVAILABLE message}``.
+    """
+    return {
+        i: refusal_message(waited, budget)
+        for i, (waited, budget) in enumerate(zip(waited_ms, budgets_ms, strict=True))
+        if waited is not None and budget > 0 and waited > budget
+    }
+
+
+def full_message(in_flight: int, limit: int) -> str:
+    """The UNAVAILABLE message of a request refused at the door: the load, the limit and the knobs."""
+    return (
+        f"overloaded: {in_flight} requests are in flight, the limit is {limit} (MAX_IN_FLIGHT in the tokenizer's "
+        "config; the request parameter latency_budget_ms 0 exempts a request). Retry with backoff"
+    )
+
+
+def admit(in_flight: int, limit: int, budgets_ms: list[float]) -> dict[int, str]:
+    """The requests of one tokenizer execution to refuse at the door, each with its message.
+
+    Requests are taken in order; each is admitted while fewer than ``limit`` requests are in flight (counting the
+    ones admitted before it in this execution). A request with budget 0 is always admitted and counted.
+
+    Args:
+        in_flight: requests handed on to the encoder and not yet answered by it (:class:`InFlight`).
+        limit: ``MAX_IN_FLIGHT``; 0 = no limit.
+        budgets_ms: per request, its latency budget, ms (0 = never refused).
+
+    Returns:
+        ``{request index: UNAVAILABLE message}``.
+    """
+    refused = {}
+    for i, budget in enumerate(budgets_ms):
+        if limit and budget > 0 and in_flight >= limit:
+            refused[i] = full_message(in_flight, limit)
+        else:
+            in_flight += 1
+    return refused
+
+
+class InFlight:
+    """Requests the tokenizer handed on that the encoder has not answered yet, counted in a file both stubs share.
+
+    The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent) and the model repository, so every
+    server on a host has its own; each read or change takes an exclusive ``flock``. It holds the count and when the
+    encoder last went idle. The tokenizer counts in only requests that ask for ``queued_ns`` (the ensemble does; a
+    direct caller of the tokenizer that names its outputs does not). The count heals itself: it never goes below 0,
+    either backend sets it to 0 when it loads, and a count left while the encoder has sat idle for :data:`IDLE_NS`
+    (requests that never reached it: a direct call of the tokenizer asking for every output, a stub that died) reads
+    as 0. Exact with one encoder instance (as shipped); with more, it
+    can only read low.
+    """
+
+    IDLE_NS = 100_000_000
+    """An idle encoder takes a waiting request within this, ns (dynamic batcher without delay); 100 ms."""
+
+    def __init__(self, model_directory: str | Path) -> None:
+        """Count for the server that runs this stub and the repository holding ``model_directory``."""
+        repository = Path(model_directory).resolve().parent
+        key = hashlib.sha256(str(repository).encode()).hexdigest()[:12]
+        shm = Path("/dev/shm")  # noqa: S108 - opened O_NOFOLLOW, mode 0600
+        self.folder = shm if shm.is_dir() else Path(tempfile.gettempdir())
+        self.path = self.folder / f"triton-embed-{os.getppid()}-{key}.in-flight"
+
+    def _update(self, change: Callable[[int, int, int], tuple[int, int]]) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 16, 0)
+            count, idle_since = struct.unpack("<qq", raw) if len(raw) == 16 else (0, 0)
+            count, idle_since = change(max(0, count), idle_since, time.monotonic_ns())
+            os.pwrite(fd, struct.pack("<qq", max(0, count), idle_since), 0)
+            return max(0, count)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def count(self) -> int:
+        """Requests in flight now (0 when the encoder has been idle for :data:`IDLE_NS`)."""
+
+        def read(count: int, idle_since: int, now: int) -> tuple[int, int]:
+            stale = idle_since and now - idle_since > self.IDLE_NS
+            return (0 if stale else count), idle_since
+
+        return self._update(read)
+
+    def add(self, requests: int) -> int:
+        """The tokenizer handed ``requests`` on; returns the new count."""
+        return self._update(lambda count, idle_since, now: (count + requests, idle_since))
+
+    def started(self) -> None:
+        """The encoder began an execution: it is not idle."""
+        self._update(lambda count, idle_since, now: (count, 0))
+
+    def answered(self, requests: int, *, idle: bool = True) -> int:
+        """The encoder answered ``requests`` of those handed on; returns the new count.
+
+        Args:
+            requests: how many.
+            idle: the encoder's execution is over (False: it refused them and runs on).
+        """
+        return self._update(lambda count, idle_since, now: (count - requests, now if idle else idle_since))
+
+    def reset(self) -> None:
+        """Set the count to 0 (a backend loading); delete the files of servers no longer running."""
+        self._update(lambda count, idle_since, now: (0, now))
+        for stale in self.folder.glob("triton-embed-*-*.in-flight"):
+            pid = stale.name.split("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
+
+    def remove(self) -> None:
+        """Delete the file (a backend unloading); the next change starts again from 0."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class RefusalHold:
+    """Answers refusals at their due time from a thread of its own, so that holding them never blocks an execution.
+
+    Every held refusal is answered: at its time, or at once by :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        """Start the thread that answers the refusals as they fall due."""
+        self._due: list[tuple[int, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="refusal-hold", daemon=True)
+        self._thread.start()
+
+    def hold(self, due_ns: int, answer: Callable[[], None]) -> None:
+        """Call ``answer()`` at ``due_ns`` (``time.monotonic_ns()`` clock), or at once if that has passed."""
+        with self._wake:
+            heapq.heappush(self._due, (due_ns, next(self._order), answer))
+            self._wake.notify()
+
+    def pending(self) -> int:
+        """Refusals held and not yet answered."""
+        with self._wake:
+            return len(self._due)
+
+    def close(self) -> None:
+        """Answer every held refusal now and stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed:
+                    if not self._due:
+                        self._wake.wait()
+                        continue
+                    delay_s = (self._due[0][0] - time.monotonic_ns()) / 1e9
+                    if delay_s <= 0:
+                        break
+                    self._wake.wait(delay_s)
+                if not self._due:
+                    return
+                answer = heapq.heappop(self._due)[2]
+            with contextlib.suppress(Exception):  # a client gone away must not stop the others' answers
+                answer()
