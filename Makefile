@@ -58,13 +58,14 @@ test: reference-model system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Tools the deployment tests run (tests/test_deploy.py): Debian's docker-compose 1.29 (validates docker-compose.yml
-# offline) and prometheus 2.42 (promtool and the server, which the tests start themselves on a loopback port).
+# offline), prometheus 2.42 (promtool and the server, which the tests start themselves on a loopback port) and nginx
+# 1.22 (tests/test_replicas.py: the L7 ingress in front of three replicas, on a loopback port).
 # Installed only when missing. The package's service is not started: policy-rc.d denies it during the install
 # (a temporary one when the machine has none), and on a systemd host it is disabled again.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 system-deps:
 	@if ! command -v docker-compose >/dev/null || ! command -v promtool >/dev/null \
-			|| ! command -v prometheus >/dev/null; then \
+			|| ! command -v prometheus >/dev/null || ! command -v nginx >/dev/null; then \
 		set -e; own_policy=; \
 		if [ ! -e /usr/sbin/policy-rc.d ]; then \
 			printf '#!/bin/sh\nexit 101\n' | $(SUDO) tee /usr/sbin/policy-rc.d >/dev/null; \
@@ -72,9 +73,9 @@ system-deps:
 		fi; \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q; \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-			docker-compose prometheus; \
+			docker-compose prometheus nginx; \
 		if [ -n "$$own_policy" ]; then $(SUDO) rm -f /usr/sbin/policy-rc.d; fi; \
-		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus || true; fi; \
+		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus nginx || true; fi; \
 	fi
 
 # Pure-logic tests only: no server, no model export; seconds.
