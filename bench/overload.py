@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
             loop_texts = unique_texts(400_000, "loop")
             floods(server.grpc_url, loop_texts, args, best=best_shipped, capacity=capacity, door="shipped")
         if args.door_off_too:  # the same floods with the door open: what MAX_IN_FLIGHT carries
-            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("tokenizer", "MAX_IN_FLIGHT"): "0"})
+            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("encoder", "MAX_IN_FLIGHT"): "0"})
             with EmbeddedServer(model_repository=repo_off, http_port=0, grpc_port=0, metrics_port=0,
                                 log_file=Path(tmp) / "tritonserver-off.log") as server:  # fmt: skip
                 floods(server.grpc_url, loop_texts[::-1], args, best=best_shipped, capacity=capacity, door="0")

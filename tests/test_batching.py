@@ -98,7 +98,7 @@ def windowed_server(tmp_path_factory):
     repo = variant_repository(
         tmp / "repo",
         encoder_delay_us=200_000,
-        knobs={("encoder", "LATENCY_BUDGET_MS"): "0", ("tokenizer", "MAX_IN_FLIGHT"): "0"},
+        knobs={("encoder", "LATENCY_BUDGET_MS"): "0", ("encoder", "MAX_IN_FLIGHT"): "0"},
     )
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv

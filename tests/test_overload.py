@@ -141,7 +141,7 @@ def test_clients_that_retry_at_once_keep_the_goodput(fresh_server):
 def narrow_door(tmp_path_factory):
     """MAX_IN_FLIGHT 2 and the encoder's budget off, so that only the door refuses."""
     tmp = tmp_path_factory.mktemp("door")
-    knobs = {("tokenizer", "MAX_IN_FLIGHT"): "2", ("encoder", "LATENCY_BUDGET_MS"): "0"}
+    knobs = {("encoder", "MAX_IN_FLIGHT"): "2", ("encoder", "LATENCY_BUDGET_MS"): "0"}
     repo = variant_repository(tmp / "repo", knobs=knobs, cache=True)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
@@ -169,7 +169,7 @@ def test_past_max_in_flight_a_request_is_refused_when_due_naming_the_knob_and_ex
         for f in busy:
             assert f.result()["EMBEDDING"].shape == (32, 384)
     assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
-    assert "2 requests are in flight, the limit is 2 (MAX_IN_FLIGHT in the tokenizer's config" in caught.value.message()
+    assert "2 requests are in flight, the limit is 2 (MAX_IN_FLIGHT in the encoder's config" in caught.value.message()
     assert held_s >= HOLD_S - 0.05  # held, not answered at once
     assert exempt["EMBEDDING"].shape == (1, 384)
     assert scrape(narrow_door.metrics_url)[metric] == before + 1

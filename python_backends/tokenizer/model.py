@@ -185,11 +185,6 @@ class TritonPythonModel:
                 f"config parameter MAX_SEQ_LENGTH is {configured} but {path} truncates at {self.max_tokens}: "
                 "run `make model` (it sets both)"
             )
-        try:
-            self.max_in_flight = config_number(params, "MAX_IN_FLIGHT", "0", integer=True)
-            self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
-        except ValueError as exc:
-            raise pb_utils.TritonModelException(str(exc)) from None
         self.in_flight = InFlight(args["model_repository"])
         self.in_flight.reset()
         self.refusals = RefusalHold()
@@ -273,14 +268,15 @@ class TritonPythonModel:
                 budgets[i] = request_budget_ms(request_parameters_, math.inf)  # no budget of its own: not exempt
             except BudgetError as exc:
                 errors[i] = str(exc)
-        if not self.max_in_flight:
+        in_flight, limit, hold_ns = self.in_flight.door()  # the encoder's MAX_IN_FLIGHT and REFUSAL_HOLD_MS
+        if not limit:
             return set()
         candidates = list(budgets)
-        refused = admit(self.in_flight.count(), self.max_in_flight, [budgets[i] for i in candidates])
+        refused = admit(in_flight, limit, [budgets[i] for i in candidates])
         for k, message in refused.items():
             error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
             response = pb_utils.InferenceResponse(output_tensors=[], error=error)
-            self.refusals.hold(arrived_ns + self.refusal_hold_ns, _answer(requests[candidates[k]], response))
+            self.refusals.hold(arrived_ns + hold_ns, _answer(requests[candidates[k]], response))
         if refused:
             self._shed_metric.increment(len(refused))
         return {candidates[k] for k in refused}

@@ -105,7 +105,7 @@ def shed(waited_ms: list[float | None], budgets_ms: list[float]) -> dict[int, st
 def full_message(in_flight: int, limit: int) -> str:
     """The UNAVAILABLE message of a request refused at the door: the load, the limit and the knobs."""
     return (
-        f"overloaded: {in_flight} requests are in flight, the limit is {limit} (MAX_IN_FLIGHT in the tokenizer's "
+        f"overloaded: {in_flight} requests are in flight, the limit is {limit} (MAX_IN_FLIGHT in the encoder's "
         "config; the request parameter latency_budget_ms 0 exempts a request). Retry with backoff"
     )
 
@@ -134,20 +134,23 @@ def admit(in_flight: int, limit: int, budgets_ms: list[float]) -> dict[int, str]
 
 
 class InFlight:
-    """Requests the tokenizer handed on that the encoder has not answered yet, counted in a file both stubs share.
+    """Requests the tokenizer handed on that the encoder has not answered yet, in a file both stubs share.
 
     The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent) and the model repository, so every
-    server on a host has its own; each read or change takes an exclusive ``flock``. It holds the count and when the
-    encoder last went idle. The tokenizer counts in only requests that ask for ``queued_ns`` (the ensemble does; a
-    direct caller of the tokenizer that names its outputs does not). The count heals itself: it never goes below 0,
-    either backend sets it to 0 when it loads, and a count left while the encoder has sat idle for :data:`IDLE_NS`
-    (requests that never reached it: a direct call of the tokenizer asking for every output, a stub that died) reads
-    as 0. Exact with one encoder instance (as shipped); with more, it
-    can only read low.
+    server on a host has its own; each read or change takes an exclusive ``flock``. It holds the count, when the
+    encoder last went idle, and the encoder's ``MAX_IN_FLIGHT`` and ``REFUSAL_HOLD_MS`` (the door's limit belongs to
+    the encoder's hardware, so it lives in the encoder's config and reaches the tokenizer here). The tokenizer counts
+    in only requests that ask for ``queued_ns`` (the ensemble does; a direct caller of the tokenizer that names its
+    outputs does not). The count heals itself: it never goes below 0, either backend sets it to 0 when it loads, and
+    a count left while the encoder has sat idle for :data:`IDLE_NS` since the last hand-off (requests that never
+    reached it: a direct call of the tokenizer asking for every output, a stub that died) reads as 0. Exact with one
+    encoder instance (as shipped); with more, it can only read low.
     """
 
     IDLE_NS = 100_000_000
     """An idle encoder takes a waiting request within this, ns (dynamic batcher without delay); 100 ms."""
+
+    _FORMAT = "<qqqq"  # count, idle since (monotonic ns, 0 = executing), limit, refusal hold (ns)
 
     def __init__(self, model_directory: str | Path) -> None:
         """Count for the server that runs this stub and the repository holding ``model_directory``."""
@@ -157,34 +160,49 @@ class InFlight:
         self.folder = shm if shm.is_dir() else Path(tempfile.gettempdir())
         self.path = self.folder / f"triton-embed-{os.getppid()}-{key}.in-flight"
 
-    def _update(self, change: Callable[[int, int, int], tuple[int, int]]) -> int:
+    def _update(self, change: Callable[[list[int], int], None]) -> list[int]:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            raw = os.pread(fd, 16, 0)
-            count, idle_since = struct.unpack("<qq", raw) if len(raw) == 16 else (0, 0)
-            count, idle_since = change(max(0, count), idle_since, time.monotonic_ns())
-            os.pwrite(fd, struct.pack("<qq", max(0, count), idle_since), 0)
-            return max(0, count)
+            size = struct.calcsize(self._FORMAT)
+            raw = os.pread(fd, size, 0)
+            fields = list(struct.unpack(self._FORMAT, raw)) if len(raw) == size else [0, 0, 0, 0]
+            now = time.monotonic_ns()
+            if fields[1] and now - fields[1] > self.IDLE_NS:
+                fields[0] = 0  # the encoder sat idle: whatever is counted never reached it
+            change(fields, now)
+            fields[0] = max(0, fields[0])
+            os.pwrite(fd, struct.pack(self._FORMAT, *fields), 0)
+            return fields
         finally:
             os.close(fd)  # releases the lock
 
     def count(self) -> int:
         """Requests in flight now (0 when the encoder has been idle for :data:`IDLE_NS`)."""
+        return self._update(lambda fields, now: None)[0]
 
-        def read(count: int, idle_since: int, now: int) -> tuple[int, int]:
-            stale = idle_since and now - idle_since > self.IDLE_NS
-            return (0 if stale else count), idle_since
-
-        return self._update(read)
+    def door(self) -> tuple[int, int, int]:
+        """The tokenizer's view: (requests in flight, the encoder's ``MAX_IN_FLIGHT`` (0 = no door), hold in ns)."""
+        count, _, limit, hold_ns = self._update(lambda fields, now: None)
+        return count, limit, hold_ns
 
     def add(self, requests: int) -> int:
         """The tokenizer handed ``requests`` on; returns the new count."""
-        return self._update(lambda count, idle_since, now: (count + requests, idle_since))
+
+        def change(fields: list[int], now: int) -> None:
+            fields[0] += requests
+            if fields[1]:  # an idle encoder has IDLE_NS from now to take them
+                fields[1] = now
+
+        return self._update(change)[0]
 
     def started(self) -> None:
         """The encoder began an execution: it is not idle."""
-        self._update(lambda count, idle_since, now: (count, 0))
+
+        def change(fields: list[int], now: int) -> None:
+            fields[1] = 0
+
+        self._update(change)
 
     def answered(self, requests: int, *, idle: bool = True) -> int:
         """The encoder answered ``requests`` of those handed on; returns the new count.
@@ -193,11 +211,30 @@ class InFlight:
             requests: how many.
             idle: the encoder's execution is over (False: it refused them and runs on).
         """
-        return self._update(lambda count, idle_since, now: (count - requests, now if idle else idle_since))
 
-    def reset(self) -> None:
-        """Set the count to 0 (a backend loading); delete the files of servers no longer running."""
-        self._update(lambda count, idle_since, now: (0, now))
+        def change(fields: list[int], now: int) -> None:
+            fields[0] -= requests
+            if idle:
+                fields[1] = now
+
+        return self._update(change)[0]
+
+    def reset(self, limit: int | None = None, hold_ns: int | None = None) -> None:
+        """Set the count to 0 (a backend loading); delete the files of servers no longer running.
+
+        Args:
+            limit: the encoder's ``MAX_IN_FLIGHT`` (None: keep the one written).
+            hold_ns: the encoder's ``REFUSAL_HOLD_MS``, ns (None: keep the one written).
+        """
+
+        def change(fields: list[int], now: int) -> None:
+            fields[0], fields[1] = 0, now
+            if limit is not None:
+                fields[2] = limit
+            if hold_ns is not None:
+                fields[3] = hold_ns
+
+        self._update(change)
         for stale in self.folder.glob("triton-embed-*-*.in-flight"):
             pid = stale.name.split("-")[2]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
@@ -205,7 +242,7 @@ class InFlight:
                     stale.unlink()
 
     def remove(self) -> None:
-        """Delete the file (a backend unloading); the next change starts again from 0."""
+        """Delete the file (a backend unloading); the next change starts again from 0, with no door."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 

@@ -40,6 +40,7 @@ def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_the_same_overlo
         stamp = next(i for i in config.input if i.name == "queued_ns")
         assert stamp.optional and list(stamp.dims) == [1], relative
         knobs.append({k: config.parameters[k].string_value for k in ("LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS")})
+        assert int(config.parameters["MAX_IN_FLIGHT"].string_value) >= 0, relative  # the door; per hardware
     assert knobs[0] == knobs[1] and float(knobs[0]["LATENCY_BUDGET_MS"]) > 0
     assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
 

@@ -84,7 +84,9 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
     encoder = InFlight(tmp_path / "repo" / "encoder")
     elsewhere = InFlight(tmp_path / "other" / "encoder")
     try:
-        encoder.reset()
+        encoder.reset(32, 1_000_000_000)  # the encoder's MAX_IN_FLIGHT and REFUSAL_HOLD_MS, for the door
+        tokenizer.reset()  # a tokenizer loading keeps them
+        assert tokenizer.door() == (0, 32, 1_000_000_000)
         encoder.started()  # busy: the count stands however long
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
@@ -93,6 +95,9 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
         assert tokenizer.count() == 2  # the encoder went idle just now: the two may still reach it
         time.sleep(0.15)
         assert tokenizer.count() == 0  # idle for 100 ms: they never will (a direct call of the tokenizer)
+        tokenizer.add(3)  # handed on to an encoder idle for long: it has 100 ms from now to take them
+        encoder.started()
+        assert encoder.count() == 3
         encoder.started()
         assert encoder.answered(7) == 0  # never below 0
         tokenizer.add(4)
