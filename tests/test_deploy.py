@@ -328,7 +328,7 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
     for name in backends:
         assert [f"python_backends/{name}/", f"/opt/tritonserver/backends/{name}/"] in copies
     # the package both backends import, and nothing else beside the backends
-    shared = sorted(p.parent.name for p in (ROOT / "python_backends").glob("*/*.py") if p.parent.name not in backends)
+    shared = sorted({p.parent.name for p in (ROOT / "python_backends").glob("*/*.py")} - set(backends))
     assert shared == ["triton_embed_protocol"]
     assert ["python_backends/triton_embed_protocol/", "/tmp/triton_embed_protocol/"] in copies
     configs = "".join(p.read_text() for p in ROOT.glob("model_repository/**/*.pbtxt"))
