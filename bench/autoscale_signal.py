@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import closed_loop  # noqa: E402
+from bench.run import grpc_sender  # noqa: E402
 from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
 
 COUNTERS = ("nv_inference_queue_duration_us", "nv_inference_request_success", "nv_inference_count",
@@ -73,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sla-ms", type=float, default=200.0)
     args = parser.parse_args(argv)
 
-    import tritonclient.grpc as grpcclient
     from triton_embed_server.embedded import EmbeddedServer
 
     try:
@@ -91,14 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
 
             def make_sender() -> Callable[[str], None]:
-                client = grpcclient.InferenceServerClient(srv.grpc_url)
-
-                def send(text: str) -> None:
-                    tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-                    tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
-                    client.infer("embed", [tensor])
-
-                return send
+                return grpc_sender(srv.grpc_url)
 
             make_sender()("warm-up")
             for k, concurrency in enumerate(args.levels):

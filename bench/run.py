@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -116,6 +117,23 @@ def naive_system(texts: list[str], levels: list[int], duration: float, sla: floa
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def grpc_sender(url: str) -> Callable[[str], None]:
+    """A new raw tritonclient gRPC connection to ``url`` and a call that embeds one text over it (no retries).
+
+    Raises (from the call): InferenceServerException, the server's error.
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+
+    def send(text: str) -> None:
+        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
+        client.infer("embed", [tensor])
+
+    return send
 
 
 def variant_repository(
@@ -225,15 +243,8 @@ def triton_system(
         log = Path(tmp) / "tritonserver.log"
         with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
 
-            def make_sender():
-                client = grpcclient.InferenceServerClient(srv.grpc_url)
-
-                def send(text: str) -> None:
-                    tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-                    tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
-                    client.infer("embed", [tensor])
-
-                return send
+            def make_sender() -> Callable[[str], None]:
+                return grpc_sender(srv.grpc_url)
 
             extra = {}
             if gateway:
