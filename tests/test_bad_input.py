@@ -89,11 +89,19 @@ def test_a_server_side_error_names_the_callers_index_not_the_row_of_its_request(
 
 def test_a_failed_coalesced_async_call_raises_without_asyncio_logging_its_futures(server):
     """Each distinct text's future got the exception and nobody awaited it: asyncio logged "Future exception was
-    never retrieved" with a traceback per text, hundreds under overload."""
+    never retrieved" with a traceback per text, hundreds under overload.
+
+    grpcio's own poller now and then logs a BlockingIOError from its completion queue's callback (a known grpcio aio
+    quirk, harmless); that one line is not the client's and is left out."""
     logged = []
 
+    def record(_loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        grpc_poller = "PollerCompletionQueue._handle_events" in context["message"]
+        if not (grpc_poller and isinstance(context.get("exception"), BlockingIOError)):
+            logged.append(context["message"])
+
     async def call() -> None:
-        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: logged.append(context["message"]))
+        asyncio.get_running_loop().set_exception_handler(record)
         async with AsyncEmbeddingClient(url=server.grpc_url, coalesce=True) as client:
             with pytest.raises(InvalidInputError):
                 await client.embed(["fine and coalesced", "x" * 70_000])  # over MAX_TEXT_BYTES: the server refuses
