@@ -99,8 +99,11 @@ bench: reference-model
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 # Overload figures side by side (docs/overload.md): perf_analyzer sweep with the shipped budget and with budget 0,
-# no-backoff loops at 64 and 256 clients, Poisson bursts at 1.5x and 3x capacity; ~10 min.
+# no-backoff loops at 64 and 256 clients and Poisson bursts at 1.5x and 3x capacity from wrk (Debian's, installed
+# when missing) and from Python clients, against the shipped server and one without the door; ~20 min.
 bench-overload: reference-model
+	@command -v wrk >/dev/null || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q \
+		&& $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; }
 	$(PY) -m bench.overload $(BENCH_ARGS)
 
 # What bench/gpu_check.py needs on the GPU machine, under .build/gpu-carry (pytriton and nvidia-ml-py wheels for

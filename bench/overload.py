@@ -14,8 +14,10 @@ Against the embedded server on a copy of the model repository (response cache of
 3. Open-loop Poisson arrivals at 1.5x and 3x capacity: successes/s against capacity, accepted p99 after the
    first second, requests left without an answer.
 4. Zero refusals right after an idle spell: the knee's concurrency again after 5 s of silence.
-5. Parts 2 and 3 again against a second server with ``MAX_IN_FLIGHT`` 0 (no door; ``--no-door-off-too`` skips it),
-   so that what the door carries shows side by side.
+5. Parts 2 and 3 again against a second server with another ``MAX_IN_FLIGHT`` (``--compare-door``, 0 = no door,
+   the default; ``--no-compare`` skips it), so that what the door carries shows side by side.
+
+Parts 2 and 3 run twice each: from wrk (C, HTTP; ``bench/wrk_embed.lua``) and from Python asyncio gRPC clients.
 
 Runs on the same cores as the server, so the clients' own CPU counts against it (a shared 2-core machine here).
 """
@@ -59,9 +61,23 @@ class Level:
     p99_ms: float
     error: str = ""
 
+    @property
+    def refused(self) -> bool:
+        """perf_analyzer stopped on a refusal (not on a measurement that would not settle)."""
+        return "overloaded" in self.error
 
-def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_off: bool) -> Level:
-    """Run perf_analyzer at one concurrency (count windows of 500 requests, up to 6 trials)."""
+    def outcome(self) -> str:
+        """What the table says about refusals at this level."""
+        if not self.error:
+            return "none"
+        return f"refused: {self.error}" if self.refused else f"none; no stable measurement: {self.error}"
+
+
+def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_off: bool, tries: int = 2) -> Level:
+    """Run perf_analyzer at one concurrency (count windows of 500 requests, up to 6 trials).
+
+    A level whose measurement does not settle (a noisy machine) is run again, up to ``tries`` times in all.
+    """
     csv = data.with_suffix(f".{concurrency}.{int(budget_off)}.csv")
     command = [str(PERF_ANALYZER), "-m", "embed", "-i", "grpc", "-u", f"127.0.0.1:{grpc_port}",
                "--input-data", str(data), "--concurrency-range", str(concurrency), "--percentile", "99",
@@ -72,7 +88,10 @@ def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_
     run = subprocess.run(command, cwd=data.parent, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
     if run.returncode != 0 or not csv.is_file():
         lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line.lower() or "stable" in line]
-        return Level(concurrency, float("nan"), float("nan"), (lines or [f"exit code {run.returncode}"])[-1][:300])
+        failed = Level(concurrency, float("nan"), float("nan"), (lines or [f"exit code {run.returncode}"])[-1][:300])
+        if failed.refused or tries <= 1:
+            return failed
+        return perf_analyzer_level(grpc_port, data, concurrency, budget_off=budget_off, tries=tries - 1)
     header, row = csv.read_text().splitlines()[:2]
     fields = dict(zip(header.split(","), row.split(","), strict=False))
     return Level(concurrency, float(fields["Inferences/Second"]), float(fields["p99 latency"]) / 1000)
@@ -123,6 +142,15 @@ async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: flo
     return LoopResult(clients, len(ok) / seconds, refused[0] / seconds, len(other), *np.percentile(lat, [50, 99]))
 
 
+WRK_SCRIPT = ROOT / "bench" / "wrk_embed.lua"
+
+
+def write_wrk_texts(path: Path, texts: list[str]) -> Path:
+    """Write ``texts`` one per line, JSON-escaped without quotes, as ``bench/wrk_embed.lua`` reads them."""
+    path.write_text("".join(json.dumps(t)[1:-1] + "\n" for t in texts))
+    return path
+
+
 @dataclass(frozen=True)
 class BurstResult:
     """Open-loop Poisson arrivals: offered and served rates, refusals, accepted p99 after the first second."""
@@ -133,6 +161,52 @@ class BurstResult:
     refused: int
     unanswered: int
     p99_after_1s_ms: float
+    late: int = 0  # sends that found no free connection and went out more than 5 ms after their arrival time
+
+
+def run_wrk(http_url: str, texts_file: Path, connections: int, duration_s: int, script_args: list[float]) -> dict:
+    """Run wrk (2 threads) with ``bench/wrk_embed.lua`` against the embed model; return its WRK_RESULT fields.
+
+    Raises RuntimeError when wrk fails or prints no result.
+    """
+    command = ["wrk", "-t2", f"-c{connections}", f"-d{duration_s}s", "--timeout", "30s", "-s", str(WRK_SCRIPT),
+               f"http://{http_url}/v2/models/embed/infer", "--", str(texts_file), *map(str, script_args)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 60, check=False)  # noqa: S603
+    line = next((x for x in run.stdout.splitlines() if x.startswith("WRK_RESULT ")), None)
+    if run.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed (exit code {run.returncode}): {(run.stdout + run.stderr)[-500:]}")
+    return json.loads(line.removeprefix("WRK_RESULT "))
+
+
+def wrk_loop(http_url: str, texts_file: Path, connections: int, seconds: float, warmup_s: float = 2.0, *,
+             budget_off: bool = False) -> LoopResult:  # fmt: skip
+    """``connections`` HTTP clients in wrk (C) that send again the moment an answer or a refusal comes back.
+
+    Counts the answers received from ``warmup_s`` to ``warmup_s + seconds`` after wrk starts; the accepted latency
+    is send to answer, ms. ``budget_off`` sends ``latency_budget_ms`` 0 (never refused).
+    """
+    script_args = [warmup_s, warmup_s + seconds, 0, 0, *([0] if budget_off else [])]
+    r = run_wrk(http_url, texts_file, connections, int(warmup_s + seconds) + 2, script_args)
+    window = r["window_s"]
+    other = r["other"] + r["socket_errors"]
+    return LoopResult(connections, r["ok"] / window, r["refused"] / window, other, r["p50_ms"], r["p99_ms"])
+
+
+def wrk_poisson(http_url: str, texts_file: Path, rate: float, seconds: float, connections: int = 1024) -> BurstResult:
+    """Open-loop Poisson arrivals of ``rate`` per second for ``seconds`` from wrk (C), over HTTP; every answer counts.
+
+    Waits up to 12 s after the last send for the answers; what has none by then is unanswered.
+    """
+    r = run_wrk(http_url, texts_file, connections, int(seconds) + 12, [1.0, seconds, rate / 2, seconds])
+    return BurstResult(
+        rate=rate,
+        sent=r["sent"],
+        ok_per_s=r["ok"] / seconds,
+        refused=r["refused"],
+        unanswered=r["sent"] - r["answered"] + r["other"],
+        p99_after_1s_ms=r["p99_ms"],
+        late=r["late"],
+    )
 
 
 async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float, seed: int = 0) -> BurstResult:
@@ -177,37 +251,71 @@ async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float,
     )
 
 
-def floods(url: str, texts: list[str], args: argparse.Namespace, *, best: float, capacity: float, door: str) -> None:
-    """Print the no-backoff loops and the Poisson bursts against ``url``, each row labelled with ``door``."""
-    print(f"\nno-backoff closed loops (gRPC asyncio, retry at once), MAX_IN_FLIGHT {door}:")
-    print("| clients | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors |")
-    print("|---|---|---|---|---|---|---|")
+@dataclass(frozen=True)
+class Base:
+    """What a protocol's floods are measured against, req/s: its sweep's best successes/s and its capacity.
+
+    The capacity is the sweep's best throughput with p99 within the SLA.
+    """
+
+    best: float
+    capacity: float
+
+
+def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, *, http: Base, grpc: Base,
+           door: str) -> None:  # fmt: skip
+    """Print the no-backoff loops and the Poisson bursts against ``server``, each row labelled with ``door``.
+
+    Each load runs twice: from wrk (C, HTTP) against ``http``'s figures and from Python asyncio gRPC clients against
+    ``grpc``'s, both on the server's cores.
+    """
+    print(f"\nno-backoff closed loops (retry at once), MAX_IN_FLIGHT {door}:")
+    print("| clients | client | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors |")
+    print("|---|---|---|---|---|---|---|---|")
     for clients in (int(x) for x in args.loops.split(",")):
-        r = asyncio.run(no_backoff_loop(url, texts, clients, args.loop_s))
-        print(f"| {r.clients} | {r.ok_per_s:.0f} | {r.ok_per_s / best:.2f} | {r.refused_per_s:.0f} | "
-              f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} |", flush=True)  # fmt: skip
-    print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity {capacity:.0f} req/s), MAX_IN_FLIGHT {door}:")
-    print("| offered | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s |")
-    print("|---|---|---|---|---|---|---|")
+        for name, base, loop in (
+            ("wrk, HTTP", http, lambda c=clients: wrk_loop(server.http_url, wrk_texts, c, args.loop_s)),
+            ("asyncio, gRPC", grpc,
+             lambda c=clients: asyncio.run(no_backoff_loop(server.grpc_url, texts, c, args.loop_s))),
+        ):  # fmt: skip
+            time.sleep(2)
+            r = loop()
+            print(f"| {r.clients} | {name} | {r.ok_per_s:.0f} | {r.ok_per_s / base.best:.2f} | {r.refused_per_s:.0f} | "
+                  f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} |", flush=True)  # fmt: skip
+    print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity: HTTP {http.capacity:.0f}, gRPC "
+          f"{grpc.capacity:.0f} req/s), MAX_IN_FLIGHT {door}:")  # fmt: skip
+    print("| offered | client | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s "
+          "| late sends |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for factor in (float(x) for x in args.rates.split(",")):
-        time.sleep(3)
-        r = asyncio.run(poisson_burst(url, texts[::-1], factor * capacity, args.burst_s))
-        print(f"| {factor:g}x = {r.rate:.0f}/s | {r.sent} | {r.ok_per_s:.0f} | {r.ok_per_s / capacity:.2f} | "
-              f"{r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms |", flush=True)  # fmt: skip
+        for name, base, burst in (
+            ("wrk, HTTP", http, lambda rate: wrk_poisson(server.http_url, wrk_texts, rate, args.burst_s)),
+            ("asyncio, gRPC", grpc, lambda rate: asyncio.run(poisson_burst(server.grpc_url, texts[::-1], rate,
+                                                                             args.burst_s))),
+        ):  # fmt: skip
+            time.sleep(3)
+            rate = factor * base.capacity
+            r = burst(rate)
+            print(f"| {factor:g}x = {rate:.0f}/s | {name} | {r.sent} | {r.ok_per_s:.0f} | "
+                  f"{r.ok_per_s / base.capacity:.2f} | {r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms | "
+                  f"{r.late} |", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
     """Run every part against one server; print the figures with their ratios to the best throughput and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,2,4,8,16,24,32,48,64")
+    parser.add_argument("--http-levels", default="8,16,24,32", help="concurrency levels of the wrk (HTTP) sweep")
     parser.add_argument("--loops", default="64,256", help="no-backoff client counts")
     parser.add_argument("--loop-s", type=float, default=15.0)
     parser.add_argument("--rates", default="1.5,3", help="Poisson rates, multiples of capacity")
     parser.add_argument("--burst-s", type=float, default=20.0)
     parser.add_argument("--skip-sweep", action="store_true", help="no perf_analyzer; needs --capacity")
     parser.add_argument("--capacity", type=float, default=0.0, help="req/s, when the sweep is skipped")
-    parser.add_argument("--door-off-too", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the floods against a server with MAX_IN_FLIGHT 0")  # fmt: skip
+    parser.add_argument("--compare-door", type=int, default=0,
+                        help="MAX_IN_FLIGHT of the second server the floods run against (0 = no door)")  # fmt: skip
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the floods against the second server too")  # fmt: skip
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from triton_embed_server.embedded import EmbeddedServer
@@ -233,12 +341,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
                     on.append(perf_analyzer_level(port, data, c, budget_off=False))
                     a, b = off[-1], on[-1]
                     print(f"| {c} | {a.throughput:.0f} | {a.p99_ms:.0f} | {b.throughput:.0f} | {b.p99_ms:.0f} | "
-                          f"{'none' if not b.error else 'aborted: ' + b.error} |", flush=True)  # fmt: skip
+                          f"{b.outcome()} |", flush=True)  # fmt: skip
             within = [a for a in off if a.p99_ms <= SLA_MS and not a.error]
             knee = max((a.concurrency for a in within), default=0)
             capacity = args.capacity or max((a.throughput for a in within), default=0.0)
             best_shipped = max((b.throughput for b in on if not b.error), default=capacity)
-            refused_below_knee = [b.concurrency for b in on if b.concurrency <= knee and b.error]
+            refused_below_knee = [b.concurrency for b in on if b.concurrency <= knee and b.refused]
             print(f"\nknee (p99 <= {SLA_MS:g} ms, refusals off): concurrency {knee}; capacity {capacity:.0f} req/s; "
                   f"levels up to the knee refused: {refused_below_knee or 'none'}")  # fmt: skip
 
@@ -246,15 +354,32 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
                 time.sleep(5)  # an idle spell, then the knee again
                 again = perf_analyzer_level(port, data, knee, budget_off=False)
                 print(f"after 5 s idle, concurrency {knee}: {again.throughput:.0f} infer/s, p99 {again.p99_ms:.0f} ms, "
-                      f"refusals: {'none' if not again.error else 'aborted: ' + again.error}")  # fmt: skip
+                      f"refusals: {again.outcome()}")  # fmt: skip
+
+            wrk_texts = write_wrk_texts(Path(tmp) / "wrk-texts.txt", unique_texts(10_000, "wrk"))
+            print("\nwrk closed loop, HTTP, one new sentence per request, latency_budget_ms 0 (never refused):")
+            print("| concurrency | infer/s | p50 ms | p99 ms |")
+            print("|---|---|---|---|")
+            http_levels = []
+            for c in (int(x) for x in args.http_levels.split(",")):
+                time.sleep(2)
+                http_levels.append(wrk_loop(server.http_url, wrk_texts, c, 10, budget_off=True))
+                r = http_levels[-1]
+                print(f"| {c} | {r.ok_per_s:.0f} | {r.p50_ms:.0f} | {r.p99_ms:.0f} |", flush=True)
+            http_within = [r.ok_per_s for r in http_levels if r.p99_ms <= SLA_MS]
+            http = Base(best=max(r.ok_per_s for r in http_levels), capacity=max(http_within, default=float("nan")))
+            grpc = Base(best=best_shipped, capacity=capacity)
+            http_knee = max((r.clients for r in http_levels if r.p99_ms <= SLA_MS), default=0)
+            print(f"HTTP knee (p99 <= {SLA_MS:g} ms): concurrency {http_knee}; capacity {http.capacity:.0f} req/s")
 
             loop_texts = unique_texts(400_000, "loop")
-            floods(server.grpc_url, loop_texts, args, best=best_shipped, capacity=capacity, door="shipped")
-        if args.door_off_too:  # the same floods with the door open: what MAX_IN_FLIGHT carries
-            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("encoder", "MAX_IN_FLIGHT"): "0"})
+            floods(server, loop_texts, wrk_texts, args, http=http, grpc=grpc, door="shipped")
+        if args.compare:  # the same floods with another door: what MAX_IN_FLIGHT carries
+            door = str(args.compare_door)
+            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("encoder", "MAX_IN_FLIGHT"): door})
             with EmbeddedServer(model_repository=repo_off, http_port=0, grpc_port=0, metrics_port=0,
                                 log_file=Path(tmp) / "tritonserver-off.log") as server:  # fmt: skip
-                floods(server.grpc_url, loop_texts[::-1], args, best=best_shipped, capacity=capacity, door="0")
+                floods(server, loop_texts[::-1], wrk_texts, args, http=http, grpc=grpc, door=door)
     return 0
 
 
