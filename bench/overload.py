@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -251,6 +252,38 @@ async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float,
     )
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``, from /proc."""
+    from triton_embed_server.supervisor import group_members
+
+    ticks = 0
+    for pid in group_members(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ")"
+        except OSError:
+            continue  # exited meanwhile
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def with_cores(run, server_pid: int, *, child_client: bool):
+    """``run()``'s result, with the cores (CPU s per wall s) the server and the client used meanwhile.
+
+    The server is its process group (tritonserver and its stubs); the client a child process (wrk) or this process
+    (the asyncio clients).
+    """
+    who = resource.RUSAGE_CHILDREN if child_client else resource.RUSAGE_SELF
+
+    def client_s() -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    server0, client0, t0 = group_cpu_s(server_pid), client_s(), time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - t0
+    return result, (group_cpu_s(server_pid) - server0) / wall, (client_s() - client0) / wall
+
+
 @dataclass(frozen=True)
 class Base:
     """What a protocol's floods are measured against, req/s: its sweep's best successes/s and its capacity.
@@ -270,8 +303,9 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
     ``grpc``'s, both on the server's cores.
     """
     print(f"\nno-backoff closed loops (retry at once), MAX_IN_FLIGHT {door}:")
-    print("| clients | client | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| clients | client | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors "
+          "| server cores | client cores |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for clients in (int(x) for x in args.loops.split(",")):
         for name, base, loop in (
             ("wrk, HTTP", http, lambda c=clients: wrk_loop(server.http_url, wrk_texts, c, args.loop_s)),
@@ -279,14 +313,15 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
              lambda c=clients: asyncio.run(no_backoff_loop(server.grpc_url, texts, c, args.loop_s))),
         ):  # fmt: skip
             time.sleep(2)
-            r = loop()
+            r, server_cores, client_cores = with_cores(loop, server.pid, child_client=name.startswith("wrk"))
             print(f"| {r.clients} | {name} | {r.ok_per_s:.0f} | {r.ok_per_s / base.best:.2f} | {r.refused_per_s:.0f} | "
-                  f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} |", flush=True)  # fmt: skip
+                  f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} | {server_cores:.2f} | {client_cores:.2f} |",
+                  flush=True)  # fmt: skip
     print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity: HTTP {http.capacity:.0f}, gRPC "
           f"{grpc.capacity:.0f} req/s), MAX_IN_FLIGHT {door}:")  # fmt: skip
     print("| offered | client | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s "
-          "| late sends |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| late sends | server cores | client cores |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for factor in (float(x) for x in args.rates.split(",")):
         for name, base, burst in (
             ("wrk, HTTP", http, lambda rate: wrk_poisson(server.http_url, wrk_texts, rate, args.burst_s)),
@@ -295,10 +330,11 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
         ):  # fmt: skip
             time.sleep(3)
             rate = factor * base.capacity
-            r = burst(rate)
+            r, server_cores, client_cores = with_cores(lambda rate=rate, burst=burst: burst(rate), server.pid,
+                                                       child_client=name.startswith("wrk"))  # fmt: skip
             print(f"| {factor:g}x = {rate:.0f}/s | {name} | {r.sent} | {r.ok_per_s:.0f} | "
                   f"{r.ok_per_s / base.capacity:.2f} | {r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms | "
-                  f"{r.late} |", flush=True)  # fmt: skip
+                  f"{r.late} | {server_cores:.2f} | {client_cores:.2f} |", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
