@@ -14,11 +14,13 @@ import shutil
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+from helpers import running_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -40,6 +42,41 @@ def tool(name: str) -> str:
     path = shutil.which(name)
     assert path, f"{name} not found: `make system-deps` installs it (Debian packages docker-compose, prometheus)"
     return path
+
+
+@contextlib.contextmanager
+def prometheus_running(tmp: Path, config: dict) -> Iterator[str]:
+    """Debian's prometheus with ``config`` (a prometheus.yml as a dict) on a free loopback port, its data under
+    ``tmp``; yields its base URL once ``/-/ready`` answers and stops it on exit."""
+    from triton_embed_server.embedded import _spawn_args, free_port
+
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    argv, preexec = _spawn_args([tool("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"])  # fmt: skip
+    log = tmp / "prometheus.log"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: S603, PLW1509
+    base = f"http://127.0.0.1:{port}"
+    with running_until_ready(process, log, f"{base}/-/ready", "prometheus"):
+        yield base
+
+
+def prom_api(base: str, path: str, **params: str) -> dict:
+    """``data`` of a Prometheus HTTP API answer (``path`` under /api/v1/, e.g. ``query`` or ``rules``).
+
+    Raises:
+        AssertionError: the answer's status is not ``success`` (with its error).
+    """
+    url = f"{base}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+    assert body["status"] == "success", f"{params}: {body}"
+    return body["data"]
 
 
 def compose(*args: str, profile: bool = False, **settings: str) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@
   the namespace's address on the usual ports 8000/8001/8002, as each pod has them.
 * :func:`nginx_running`: Debian's nginx on a loopback port in front of them, as an L7 ingress: ``grpc_pass`` and
   ``proxy_pass`` over an upstream of the replicas, retrying the next one on connection errors.
-* :func:`prometheus_running`: Debian's Prometheus scraping the replicas' metrics with ``namespace`` and ``pod``
+* :func:`scrape_config`: a Prometheus configuration scraping the replicas' metrics with ``namespace`` and ``pod``
   labels, as the PodMonitor labels them for prometheus-adapter.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import os
 import re
 import shutil
@@ -29,8 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-from deploy_helpers import tool
+from deploy_helpers import prom_api, tool
 from helpers import running_until_ready
 from triton_embed_server.embedded import _spawn_args, free_port
 from triton_embed_server.supervisor import process_alive
@@ -327,11 +325,10 @@ def nginx_running(tmp: Path, replicas: list[Replica]) -> Iterator[Nginx]:
 
 
 # -- Prometheus and the adapter's query -------------------------------------------------------------------------
-@contextlib.contextmanager
-def prometheus_running(tmp: Path, replicas: list[Replica]) -> Iterator[str]:
-    """Debian's prometheus scraping each replica's metrics every second, labelled ``namespace`` and ``pod`` as the
-    PodMonitor labels them; yields its base URL."""
-    config = {
+def scrape_config(replicas: list[Replica]) -> dict:
+    """A prometheus.yml scraping each replica's metrics every second, labelled ``namespace`` and ``pod`` as the
+    PodMonitor labels them."""
+    return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{
             "job_name": "triton",
@@ -339,30 +336,12 @@ def prometheus_running(tmp: Path, replicas: list[Replica]) -> Iterator[str]:
                                for r in replicas],
         }],
     }  # fmt: skip
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    argv, preexec = _spawn_args([tool("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"])  # fmt: skip
-    log = tmp / "prometheus.log"
-    with open(log, "ab") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: S603, PLW1509
-    base = f"http://127.0.0.1:{port}"
-    with running_until_ready(process, log, f"{base}/-/ready", "prometheus"):
-        yield base
 
 
 def prom_query(base: str, query: str, at: float | None = None) -> dict[str, float]:
     """An instant query's result as ``{pod label: value}``, evaluated now or at the Unix time ``at``."""
     params = {"query": query, **({"time": f"{at:.3f}"} if at is not None else {})}
-    url = f"{base}/api/v1/query?{urllib.parse.urlencode(params)}"
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback
-            body = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        body = json.loads(exc.read())
-    assert body["status"] == "success", f"{query}: {body}"
-    return {r["metric"].get("pod", ""): float(r["value"][1]) for r in body["data"]["result"]}
+    return {r["metric"].get("pod", ""): float(r["value"][1]) for r in prom_api(base, "query", **params)["result"]}
 
 
 def adapter_query(rule: dict, pods: list[str]) -> str:

@@ -38,9 +38,10 @@ from deploy_helpers import (
     dockerfile_instructions,
     embedding_widths,
     metric_names_in,
+    prom_api,
+    prometheus_running,
     resolved,
     sync_model_repository,
-    tool,
 )
 from helpers import (
     embed_until_answered,
@@ -49,7 +50,6 @@ from helpers import (
     held_requests_across_a_signal,
     kill_stub_mid_request,
     post_status,
-    running_until_ready,
 )
 from small_models import small_sentence_transformer
 from triton_embed import EmbeddingClient
@@ -171,8 +171,6 @@ def monitor_exporter():
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory, compose_server, monitor_exporter):
     """Debian's prometheus with monitoring/prometheus/prometheus.yml, pointed at loopback targets, scraping each 1 s."""
-    from triton_embed_server.embedded import _spawn_args, free_port
-
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     assert config["rule_files"] == ["alerts.yml"] and (PROMETHEUS_YML.parent / "alerts.yml").is_file()
@@ -181,33 +179,8 @@ def prometheus(tmp_path_factory, compose_server, monitor_exporter):
     targets = {"triton": f"127.0.0.1:{compose_server.metrics_port}", "gpu-monitor": f"127.0.0.1:{monitor_exporter[1]}"}
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    argv, preexec = _spawn_args(
-        [
-            tool("prometheus"),
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ]
-    )
-    log = tmp / "prometheus.log"
-    with open(log, "ab") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: S603, PLW1509
-    base = f"http://127.0.0.1:{port}"
-    with running_until_ready(process, log, f"{base}/-/ready", "prometheus"):
+    with prometheus_running(tmp, config) as base:
         yield base
-
-
-def prom_api(base: str, path: str, **params: str) -> dict:
-    url = f"{base}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback
-            body = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        body = json.loads(exc.read())
-    assert body["status"] == "success", f"{params}: {body}"
-    return body["data"]
 
 
 def wait_for(check, timeout_s: float = 30.0, what: str = ""):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_helpers import prometheus_running
 from helpers import counts, read_counts
 from replicas import (
     Nginx,
@@ -35,8 +36,8 @@ from replicas import (
     netns_unavailable,
     nginx_running,
     prom_query,
-    prometheus_running,
     replica_network,
+    scrape_config,
 )
 from triton_embed import EmbeddingClient
 
@@ -84,7 +85,7 @@ def ingress(cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prometheus(cluster, tmp_path_factory):
-    with prometheus_running(tmp_path_factory.mktemp("prometheus"), cluster) as base:
+    with prometheus_running(tmp_path_factory.mktemp("prometheus"), scrape_config(cluster)) as base:
         yield base
 
 
