@@ -244,9 +244,12 @@ class TritonPythonModel:
         return out
 
     def finalize(self) -> None:
-        """Answer the refusals still held; keep the refusal counter alive for good (``metric_lifetime.py``)."""
+        """Answer the refusals still held; keep the refusal counter alive for good (``metric_lifetime.py``).
+
+        The in-flight file stays: it carries the encoder's ``MAX_IN_FLIGHT``, which a reloaded tokenizer (Triton
+        finalizes the old instance after the new one loaded) must still read; the encoder removes it.
+        """
         self.refusals.close()
-        self.in_flight.remove()
         keep(self._shed_metric, self._shed_family)
 
     def _refuse_at_the_door(self, requests: list, parameters: list[dict], arrived_ns: int, errors: dict) -> set[int]:

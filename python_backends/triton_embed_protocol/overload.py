@@ -242,7 +242,7 @@ class InFlight:
                     stale.unlink()
 
     def remove(self) -> None:
-        """Delete the file (a backend unloading); the next change starts again from 0, with no door."""
+        """Delete the file (the encoder unloading); the next change starts again from 0, with no door."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
