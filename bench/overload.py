@@ -14,8 +14,8 @@ Against the embedded server on a copy of the model repository (response cache of
 3. Open-loop Poisson arrivals at 1.5x and 3x capacity: successes/s against capacity, accepted p99 after the
    first second, requests left without an answer.
 4. Zero refusals right after an idle spell: the knee's concurrency again after 5 s of silence.
-5. Parts 2 and 3 again against a second server with another ``MAX_IN_FLIGHT`` (``--compare-door``, 0 = no door,
-   the default; ``--no-compare`` skips it), so that what the door carries shows side by side.
+5. Parts 2 and 3 again against a second server with one encoder knob changed (``--compare KNOB=VALUE``, default
+   ``MAX_IN_FLIGHT=0``, no door; ``--no-compare`` skips it), so that what a mechanism carries shows side by side.
 
 Parts 2 and 3 run twice each: from wrk (C, HTTP; ``bench/wrk_embed.lua``) and from Python asyncio gRPC clients.
 
@@ -110,37 +110,68 @@ class LoopResult:
     p99_ms: float
 
 
-async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, warmup_s: float = 2.0):
-    """``clients`` gRPC loops that send the next request the moment an answer (or a refusal) comes back."""
+@dataclass
+class _Tally:
+    """What one group of no-backoff loops saw in the measured window: accepted latencies (ms), refusals, errors."""
+
+    ok_ms: list[float]
+    refused: int = 0
+    other: int = 0
+
+    def result(self, clients: int, seconds: float) -> LoopResult:
+        lat = np.array(self.ok_ms or [np.nan])
+        return LoopResult(clients, len(self.ok_ms) / seconds, self.refused / seconds, self.other,
+                          *np.percentile(lat, [50, 99]))  # fmt: skip
+
+
+async def _loops(client, texts: list[str], counter, *, clients: int, size: int, window: tuple[float, float]) -> _Tally:
+    """``clients`` loops sending ``size`` new texts per request until ``window`` ends; tallies sends inside it."""
+    import tritonclient.grpc.aio as grpcclient
+
+    begin, end = window
+    tally = _Tally([])
+
+    async def one() -> None:
+        while (t0 := time.perf_counter()) < end:
+            batch = [[texts[next(counter) % len(texts)].encode()] for _ in range(size)]
+            tensor = grpcclient.InferInput("TEXT", [size, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array(batch, dtype=np.object_))
+            try:
+                await client.infer("embed", [tensor], client_timeout=60)
+                if t0 >= begin:
+                    tally.ok_ms.append((time.perf_counter() - t0) * 1000)
+            except Exception as exc:  # noqa: BLE001 - counted
+                if t0 >= begin:
+                    if "UNAVAILABLE" in str(getattr(exc, "status", lambda: "")()):
+                        tally.refused += 1
+                    else:
+                        tally.other += 1
+
+    await asyncio.gather(*(one() for _ in range(clients)))
+    return tally
+
+
+async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, *, warmup_s: float = 2.0,
+                          bulk: tuple[int, int] = (0, 0)):  # fmt: skip
+    """``clients`` gRPC loops of one text per request that send again the moment an answer (or a refusal) comes back.
+
+    ``bulk`` = (loops, texts per request) adds that many loops of large requests beside them; returns the one-text
+    loops' :class:`LoopResult`, or with ``bulk`` the pair (one-text, bulk).
+    """
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
     counter = itertools.count()
     start = time.perf_counter()
-    begin, end = start + warmup_s, start + warmup_s + seconds
-    ok: list[float] = []
-    refused = [0]
-    other: list[str] = []
-
-    async def one() -> None:
-        while (t0 := time.perf_counter()) < end:
-            tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array([[texts[next(counter) % len(texts)].encode()]], dtype=np.object_))
-            try:
-                await client.infer("embed", [tensor], client_timeout=30)
-                if t0 >= begin:
-                    ok.append((time.perf_counter() - t0) * 1000)
-            except Exception as exc:  # noqa: BLE001 - counted
-                if t0 >= begin:
-                    if "UNAVAILABLE" in str(getattr(exc, "status", lambda: "")()):
-                        refused[0] += 1
-                    else:
-                        other.append(str(exc)[:200])
-
-    await asyncio.gather(*(one() for _ in range(clients)))
+    window = (start + warmup_s, start + warmup_s + seconds)
+    groups = [_loops(client, texts, counter, clients=clients, size=1, window=window)]
+    if bulk[0]:
+        groups.append(_loops(client, texts, counter, clients=bulk[0], size=bulk[1], window=window))
+    tallies = await asyncio.gather(*groups)
     await client.close()
-    lat = np.array(ok or [np.nan])
-    return LoopResult(clients, len(ok) / seconds, refused[0] / seconds, len(other), *np.percentile(lat, [50, 99]))
+    if not bulk[0]:
+        return tallies[0].result(clients, seconds)
+    return tallies[0].result(clients, seconds), tallies[1].result(bulk[0], seconds)
 
 
 WRK_SCRIPT = ROOT / "bench" / "wrk_embed.lua"
@@ -296,13 +327,13 @@ class Base:
 
 
 def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, *, http: Base, grpc: Base,
-           door: str) -> None:  # fmt: skip
-    """Print the no-backoff loops and the Poisson bursts against ``server``, each row labelled with ``door``.
+           label: str) -> None:  # fmt: skip
+    """Print the no-backoff loops and the Poisson bursts against ``server``, each table labelled with ``label``.
 
     Each load runs twice: from wrk (C, HTTP) against ``http``'s figures and from Python asyncio gRPC clients against
     ``grpc``'s, both on the server's cores.
     """
-    print(f"\nno-backoff closed loops (retry at once), MAX_IN_FLIGHT {door}:")
+    print(f"\nno-backoff closed loops (retry at once), {label}:")
     print("| clients | client | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors "
           "| server cores | client cores |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -317,8 +348,19 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
             print(f"| {r.clients} | {name} | {r.ok_per_s:.0f} | {r.ok_per_s / base.best:.2f} | {r.refused_per_s:.0f} | "
                   f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} | {server_cores:.2f} | {client_cores:.2f} |",
                   flush=True)  # fmt: skip
+    if args.bulk:
+        loops, size = args.bulk
+        print(f"\none-text loops beside {loops} loops of {size}-text requests, both retrying at once, gRPC, {label}:")
+        print("| one-text clients | successes/s | refusals/s | accepted p50 ms | p99 ms | bulk texts/s "
+              "| bulk refusals/s | bulk accepted p99 ms |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for clients in (8, 32):
+            time.sleep(2)
+            one, big = asyncio.run(no_backoff_loop(server.grpc_url, texts, clients, args.loop_s, bulk=args.bulk))
+            print(f"| {clients} | {one.ok_per_s:.0f} | {one.refused_per_s:.0f} | {one.p50_ms:.0f} | {one.p99_ms:.0f} | "
+                  f"{big.ok_per_s * size:.0f} | {big.refused_per_s:.0f} | {big.p99_ms:.0f} |", flush=True)  # fmt: skip
     print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity: HTTP {http.capacity:.0f}, gRPC "
-          f"{grpc.capacity:.0f} req/s), MAX_IN_FLIGHT {door}:")  # fmt: skip
+          f"{grpc.capacity:.0f} req/s), {label}:")  # fmt: skip
     print("| offered | client | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s "
           "| late sends | server cores | client cores |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -346,13 +388,23 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     parser.add_argument("--loop-s", type=float, default=15.0)
     parser.add_argument("--rates", default="1.5,3", help="Poisson rates, multiples of capacity")
     parser.add_argument("--burst-s", type=float, default=20.0)
+    parser.add_argument(
+        "--bulk",
+        type=lambda v: tuple(int(x) for x in v.split("x")),
+        default=None,
+        metavar="LOOPSxTEXTS",
+        help="one-text loops beside LOOPS loops of TEXTS-text requests (8x64)",
+    )
     parser.add_argument("--skip-sweep", action="store_true", help="no perf_analyzer; needs --capacity")
     parser.add_argument("--capacity", type=float, default=0.0, help="req/s, when the sweep is skipped")
-    parser.add_argument("--compare-door", type=int, default=0,
-                        help="MAX_IN_FLIGHT of the second server the floods run against (0 = no door)")  # fmt: skip
-    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the floods against the second server too")  # fmt: skip
+    parser.add_argument("--compare", default="MAX_IN_FLIGHT=0", metavar="KNOB=VALUE",
+                        help="the encoder knob KNOB=VALUE of a second server the floods run against")  # fmt: skip
+    parser.add_argument("--no-compare", dest="compare", action="store_const", const="",
+                        help="run the floods against the shipped server only")  # fmt: skip
     args = parser.parse_args(argv)
+    knob, _, value = args.compare.partition("=")
+    if args.compare and not (knob and value):
+        parser.error(f"--compare takes KNOB=VALUE, an encoder config parameter, got {args.compare!r}")
     sys.path.insert(0, str(ROOT))
     from triton_embed_server.embedded import EmbeddedServer
 
@@ -409,13 +461,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
             print(f"HTTP knee (p99 <= {SLA_MS:g} ms): concurrency {http_knee}; capacity {http.capacity:.0f} req/s")
 
             loop_texts = unique_texts(400_000, "loop")
-            floods(server, loop_texts, wrk_texts, args, http=http, grpc=grpc, door="shipped")
-        if args.compare:  # the same floods with another door: what MAX_IN_FLIGHT carries
-            door = str(args.compare_door)
-            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("encoder", "MAX_IN_FLIGHT"): door})
+            floods(server, loop_texts, wrk_texts, args, http=http, grpc=grpc, label="shipped settings")
+        if args.compare:  # the same floods with one knob changed: what its mechanism carries
+            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("encoder", knob): value})
             with EmbeddedServer(model_repository=repo_off, http_port=0, grpc_port=0, metrics_port=0,
                                 log_file=Path(tmp) / "tritonserver-off.log") as server:  # fmt: skip
-                floods(server, loop_texts[::-1], wrk_texts, args, http=http, grpc=grpc, door=door)
+                floods(server, loop_texts[::-1], wrk_texts, args, http=http, grpc=grpc, label=f"encoder {knob} {value}")
     return 0
 
 
