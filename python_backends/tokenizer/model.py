@@ -247,7 +247,7 @@ class TritonPythonModel:
         """Answer the refusals still held; keep the refusal counter alive for good (``metric_lifetime.py``).
 
         The in-flight file stays: it carries the encoder's ``MAX_IN_FLIGHT``, which a reloaded tokenizer (Triton
-        finalizes the old instance after the new one loaded) must still read; the encoder removes it.
+        finalizes the old instance after the new one loaded) must still read.
         """
         self.refusals.close()
         keep(self._shed_metric, self._shed_family)

@@ -193,9 +193,12 @@ class TritonPythonModel:
             )
 
     def finalize(self) -> None:
-        """Answer the refusals still held; leave the metrics to Triton (``metric_lifetime.py``)."""
+        """Answer the refusals still held; leave the metrics to Triton (``metric_lifetime.py``).
+
+        The in-flight file stays: Triton finalizes an old instance after its replacement loaded, and the new one has
+        written its ``MAX_IN_FLIGHT`` there already.
+        """
         self.refusals.close()
-        self.in_flight.remove()
         self._metrics.close()
 
     def execute(self, requests: list) -> None:

@@ -144,7 +144,9 @@ class InFlight:
     outputs does not). The count heals itself: it never goes below 0, either backend sets it to 0 when it loads, and
     a count left while the encoder has sat idle for :data:`IDLE_NS` since the last hand-off (requests that never
     reached it: a direct call of the tokenizer asking for every output, a stub that died) reads as 0. Exact with one
-    encoder instance (as shipped); with more, it can only read low.
+    encoder instance (as shipped); with more, it can only read low. The file outlives a reload of either backend
+    (Triton finalizes the old instance after the new one loaded) and its server; a backend loading deletes the files
+    of servers no longer running.
     """
 
     IDLE_NS = 100_000_000
@@ -177,12 +179,11 @@ class InFlight:
         finally:
             os.close(fd)  # releases the lock
 
-    def count(self) -> int:
-        """Requests in flight now (0 when the encoder has been idle for :data:`IDLE_NS`)."""
-        return self._update(lambda fields, now: None)[0]
-
     def door(self) -> tuple[int, int, int]:
-        """The tokenizer's view: (requests in flight, the encoder's ``MAX_IN_FLIGHT`` (0 = no door), hold in ns)."""
+        """The tokenizer's view: (requests in flight, the encoder's ``MAX_IN_FLIGHT`` (0 = no door), hold in ns).
+
+        The count reads 0 when the encoder has been idle for :data:`IDLE_NS`.
+        """
         count, _, limit, hold_ns = self._update(lambda fields, now: None)
         return count, limit, hold_ns
 
@@ -240,11 +241,6 @@ class InFlight:
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
-
-    def remove(self) -> None:
-        """Delete the file (the encoder unloading); the next change starts again from 0, with no door."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
 
 
 class RefusalHold:
