@@ -260,9 +260,9 @@ def shortest(pairs, n: int) -> list[str]:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_bulk_call_on_an_idle_server_is_not_refused_without_retries(server, sts_dev, reference, protocol):
-    # 300 new short texts = 5 chunks, 4 at once: more encoder work than a chunk's 180 ms budget on 2 cores, so the
-    # later chunks would be refused for waiting behind the earlier ones; the chunks of one call go with
-    # latency_budget_ms=0.
+    # 300 new short texts = 5 chunks, 4 at once: more encoder work than a 180 ms budget (the GPU config's) on 2 cores,
+    # so under a wait budget the later chunks would be refused for waiting behind the earlier ones; the chunks of one
+    # call go with latency_budget_ms=0.
     tag = secrets.token_hex(4)
     texts = [f"{text} {tag}" for text in shortest(sts_dev, 300)]
     with EmbeddingClient(url=url_for(server, protocol), protocol=protocol, retries=0) as client:

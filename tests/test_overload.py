@@ -21,36 +21,57 @@ from tritonclient.utils import InferenceServerException
 from bench.overload import no_backoff_loop, unique_texts
 from bench.run import variant_repository
 
-QUEUE_DELAY_US = 400_000  # every lone request waits this long for a batch: over the 180 ms budget
+QUEUE_DELAY_US = 400_000  # every lone request waits this long for a batch
+BUDGET_MS = 150  # a request's own latency_budget_ms, under that wait
 HOLD_S = 1.0  # REFUSAL_HOLD_MS as shipped
 
 
 @pytest.fixture(scope="module")
 def late_server(tmp_path_factory):
+    """The shipped budgets (none on CPU), every request waiting 400 ms in the encoder's queue: a stalled machine."""
     tmp = tmp_path_factory.mktemp("late")
-    repo = variant_repository(tmp / "repo", None, encoder_delay_us=QUEUE_DELAY_US)  # shipped budget (180 ms)
+    repo = variant_repository(tmp / "repo", None, encoder_delay_us=QUEUE_DELAY_US)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 
 
+def encoder_refusals(server) -> float:
+    return scrape(server.metrics_url).get('triton_embed_shed_requests_total{model="encoder"}', 0.0)
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_late_request_is_refused_when_due_with_an_error_naming_the_budget_and_the_knob(late_server, protocol):
+def test_a_late_request_without_a_budget_is_served_not_refused(late_server, protocol):
     url = late_server.grpc_url if protocol == "grpc" else late_server.http_url
-    before = scrape(late_server.metrics_url).get('triton_embed_shed_requests_total{model="encoder"}', 0.0)
-    client = EmbeddingClient(url=url, protocol=protocol, retries=0)
+    before = encoder_refusals(late_server)
+    started = time.monotonic()
+    with EmbeddingClient(url=url, protocol=protocol, retries=0) as client:
+        served = client.embed([f"{protocol}: this one waits 400 ms and is still served"])
+    assert time.monotonic() - started >= QUEUE_DELAY_US / 1e6
+    assert served.shape == (1, 384)
+    assert encoder_refusals(late_server) == before
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_late_request_with_a_budget_is_refused_when_due_with_an_error_naming_the_budget_and_the_knob(
+    late_server, protocol
+):
+    url = late_server.grpc_url if protocol == "grpc" else late_server.http_url
+    before = encoder_refusals(late_server)
+    client = EmbeddingClient(url=url, protocol=protocol, retries=0, latency_budget_ms=BUDGET_MS)
     started = time.monotonic()
     with client, pytest.raises(ServerUnavailableError, match="LATENCY_BUDGET_MS") as caught:
         client.embed(["this one waits 400 ms"])
     assert time.monotonic() - started >= HOLD_S  # held, not answered at once
-    assert "waited 4" in str(caught.value) and "the 180 ms latency budget" in str(caught.value)
-    assert scrape(late_server.metrics_url)['triton_embed_shed_requests_total{model="encoder"}'] == before + 1
+    assert "waited 4" in str(caught.value) and f"the {BUDGET_MS} ms latency budget" in str(caught.value)
+    assert encoder_refusals(late_server) == before + 1
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_refusal_is_unavailable_to_a_raw_triton_client(late_server, protocol):
     url = late_server.grpc_url if protocol == "grpc" else late_server.http_url
     with pytest.raises(InferenceServerException) as caught:
-        infer(url, "embed", {"TEXT": text_tensor(["raw client"])}, ["EMBEDDING"], protocol)
+        infer(url, "embed", {"TEXT": text_tensor(["raw client"])}, ["EMBEDDING"], protocol,
+              {"latency_budget_ms": BUDGET_MS})  # fmt: skip
     assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
     assert "LATENCY_BUDGET_MS" in caught.value.message()
 
@@ -117,14 +138,15 @@ def closed_loop(url: str, texts: list[str], clients: int, seconds: float) -> tup
     return answers[0], errors
 
 
-def test_a_closed_loop_within_the_sla_is_never_refused_fresh_or_after_an_idle_spell(fresh_server):
-    # 8 clients: p99 ~60-130 ms on these 2 shared cores with refusals off (docs/benchmarks.md, "Overload").
+def test_a_closed_loop_of_max_in_flight_clients_is_never_refused_fresh_or_after_an_idle_spell(fresh_server):
+    # 32 clients = MAX_IN_FLIGHT as shipped, above this machine's knee on a slow day: the door is a count, and no
+    # wait budget applies as shipped, so however slow the machine, none is refused.
     texts = unique_texts(20_000, "closed")
-    answers, errors = closed_loop(fresh_server.grpc_url, texts, clients=8, seconds=6)
-    assert answers >= 8 and errors == []
+    answers, errors = closed_loop(fresh_server.grpc_url, texts, clients=32, seconds=6)
+    assert answers >= 32 and errors == []
     time.sleep(3)  # an idle spell
-    answers, errors = closed_loop(fresh_server.grpc_url, texts[10_000:], clients=8, seconds=4)
-    assert answers >= 8 and errors == []
+    answers, errors = closed_loop(fresh_server.grpc_url, texts[10_000:], clients=32, seconds=4)
+    assert answers >= 32 and errors == []
 
 
 def test_clients_that_retry_at_once_keep_the_goodput(fresh_server):
@@ -139,9 +161,9 @@ def test_clients_that_retry_at_once_keep_the_goodput(fresh_server):
 
 @pytest.fixture(scope="module")
 def narrow_door(tmp_path_factory):
-    """MAX_IN_FLIGHT 2 and the encoder's budget off, so that only the door refuses."""
+    """MAX_IN_FLIGHT 2 (and no wait budget, as shipped), so that the door refuses a third request."""
     tmp = tmp_path_factory.mktemp("door")
-    knobs = {("encoder", "MAX_IN_FLIGHT"): "2", ("encoder", "LATENCY_BUDGET_MS"): "0"}
+    knobs = {("encoder", "MAX_IN_FLIGHT"): "2"}
     repo = variant_repository(tmp / "repo", knobs=knobs, cache=True)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv

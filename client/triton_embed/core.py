@@ -287,7 +287,7 @@ class ClientCore:
             latency_budget_ms: sent as the request parameter ``latency_budget_ms``: how long this request may wait
                 in the encoder's queue before the server refuses it as overloaded (ms; 0 = never refused, for bulk
                 jobs that prefer slow to rejected; fractions allowed). None = the server's
-                ``LATENCY_BUDGET_MS`` (180 ms as shipped).
+                ``LATENCY_BUDGET_MS`` (as shipped: none on CPU, 180 ms on GPU).
             truncate: sent as the request parameter ``truncate``: False makes a text over ``max_seq_length`` tokens
                 (256 for all-MiniLM-L6-v2) an ``InvalidInputError`` instead of being cut as sentence-transformers
                 cuts it; None = the server's ``TRUNCATION`` (truncate as shipped). The response cache keys on the

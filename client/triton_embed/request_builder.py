@@ -71,7 +71,7 @@ class RequestBuilder:
         The request parameter ``latency_budget_ms`` (how long this request may wait in the encoder's queue
         before the encoder refuses it, ms): the client's setting when it has one; else ``0`` (never
         refused) for a ``bulk`` request, one chunk of a call split into several; else none (the server's
-        ``LATENCY_BUDGET_MS``, 180 ms as shipped); and the request parameter ``truncate`` when set. The chunks of
+        ``LATENCY_BUDGET_MS``, none on CPU as shipped); and the request parameter ``truncate`` when set. The chunks of
         one call queue behind each other by the call's own making, so the later ones cannot meet a per-request
         budget even on an idle server: 200 short STS-B sentences are ~450 ms of encoder work on 2 CPU cores.
         """

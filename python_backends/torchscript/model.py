@@ -11,9 +11,10 @@ and the rows are split back per request.
 
 Overload control (``triton_embed_protocol.overload``, docs/overload.md): the tokenizer stamps each request with
 ``queued_ns`` as it hands it on (``time.monotonic_ns()``, one clock for every process on the host) and counts it in
-flight. At each execution the requests that have waited longer than ``LATENCY_BUDGET_MS`` (config parameter; 0 =
-off) since that stamp are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late;
-counted in ``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered.
+flight. At each execution the requests that have waited longer than their latency budget since that stamp (the
+request parameter ``latency_budget_ms``, else the config parameter ``LATENCY_BUDGET_MS``; 0 = none, as shipped on
+CPU) are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted in
+``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered.
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics

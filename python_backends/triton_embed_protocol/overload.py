@@ -1,9 +1,10 @@
 """Overload control: at most ``MAX_IN_FLIGHT`` requests in the service, and none served after its latency budget.
 
 Policy: the tokenizer refuses a request that arrives while ``MAX_IN_FLIGHT`` requests are already between it and the
-encoder's answer, and the encoder refuses a request that has waited longer than its latency budget in its queue.
-Every refusal is answered ``REFUSAL_HOLD_MS`` after the request arrived, so a client that retries at once cannot send
-faster than the server answers.
+encoder's answer, and the encoder refuses a request with a latency budget (the request parameter
+``latency_budget_ms``, else ``LATENCY_BUDGET_MS``: none on CPU as shipped) that has waited longer than it in its
+queue. Every refusal is answered ``REFUSAL_HOLD_MS`` after the request arrived, so a client that retries at once
+cannot send faster than the server answers.
 
 Nothing is refused on a prediction, and a closed loop of up to ``MAX_IN_FLIGHT`` clients is never refused at the
 door. The request parameter ``latency_budget_ms`` 0 exempts a request from both rules (bulk jobs). Design and
@@ -34,7 +35,7 @@ METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
 METRIC_HELP = (
     "Requests answered UNAVAILABLE as overloaded: at the tokenizer (MAX_IN_FLIGHT reached) or at the encoder "
-    "(waited longer than LATENCY_BUDGET_MS)"
+    "(waited longer than its latency budget)"
 )
 
 

@@ -33,15 +33,17 @@ def test_libtorch_ensemble_is_the_default_one_without_the_queued_stamp():
     assert inputs == {"input_ids", "attention_mask"}
 
 
-def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_the_same_overload_knobs():
-    knobs = []
+def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_has_a_guard_against_overload():
+    holds = []
     for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
         config = parse(relative)
         stamp = next(i for i in config.input if i.name == "queued_ns")
         assert stamp.optional and list(stamp.dims) == [1], relative
-        knobs.append({k: config.parameters[k].string_value for k in ("LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS")})
-        assert int(config.parameters["MAX_IN_FLIGHT"].string_value) >= 0, relative  # the door; per hardware
-    assert knobs[0] == knobs[1] and float(knobs[0]["LATENCY_BUDGET_MS"]) > 0
+        holds.append(config.parameters["REFUSAL_HOLD_MS"].string_value)
+        door = int(config.parameters["MAX_IN_FLIGHT"].string_value)  # per hardware; 0 = no door
+        budget = float(config.parameters["LATENCY_BUDGET_MS"].string_value)
+        assert door > 0 or budget > 0, f"{relative}: neither a door nor a wait budget"
+    assert holds[0] == holds[1]
     assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
 
 
