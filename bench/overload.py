@@ -151,27 +151,36 @@ async def _loops(client, texts: list[str], counter, *, clients: int, size: int, 
     return tally
 
 
-async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, *, warmup_s: float = 2.0,
-                          bulk: tuple[int, int] = (0, 0)):  # fmt: skip
-    """``clients`` gRPC loops of one text per request that send again the moment an answer (or a refusal) comes back.
-
-    ``bulk`` = (loops, texts per request) adds that many loops of large requests beside them; returns the one-text
-    loops' :class:`LoopResult`, or with ``bulk`` the pair (one-text, bulk).
-    """
+async def _loop_groups(url: str, texts: list[str], groups: list[tuple[int, int]], seconds: float,
+                       warmup_s: float) -> list[LoopResult]:  # fmt: skip
+    """Run each group of (loops, texts per request) at once on one gRPC client; one :class:`LoopResult` per group."""
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
     counter = itertools.count()
     start = time.perf_counter()
     window = (start + warmup_s, start + warmup_s + seconds)
-    groups = [_loops(client, texts, counter, clients=clients, size=1, window=window)]
-    if bulk[0]:
-        groups.append(_loops(client, texts, counter, clients=bulk[0], size=bulk[1], window=window))
-    tallies = await asyncio.gather(*groups)
+    tallies = await asyncio.gather(
+        *(_loops(client, texts, counter, clients=n, size=size, window=window) for n, size in groups)
+    )
     await client.close()
-    if not bulk[0]:
-        return tallies[0].result(clients, seconds)
-    return tallies[0].result(clients, seconds), tallies[1].result(bulk[0], seconds)
+    return [tally.result(n, seconds) for tally, (n, _) in zip(tallies, groups, strict=True)]
+
+
+async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, warmup_s: float = 2.0):
+    """``clients`` gRPC loops of one text per request that send again the moment an answer (or a refusal) comes back."""
+    (result,) = await _loop_groups(url, texts, [(clients, 1)], seconds, warmup_s)
+    return result
+
+
+async def beside_bulk_loops(url: str, texts: list[str], clients: int, seconds: float, *, bulk: tuple[int, int],
+                            warmup_s: float = 2.0) -> tuple[LoopResult, LoopResult]:  # fmt: skip
+    """:func:`no_backoff_loop` beside ``bulk`` = (loops, texts per request) loops of large requests.
+
+    Returns the one-text loops' result and the bulk loops' (their successes/s count requests, not texts).
+    """
+    one, big = await _loop_groups(url, texts, [(clients, 1), bulk], seconds, warmup_s)
+    return one, big
 
 
 WRK_SCRIPT = ROOT / "bench" / "wrk_embed.lua"
@@ -356,7 +365,7 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
         print("|---|---|---|---|---|---|---|---|")
         for clients in (8, 32):
             time.sleep(2)
-            one, big = asyncio.run(no_backoff_loop(server.grpc_url, texts, clients, args.loop_s, bulk=args.bulk))
+            one, big = asyncio.run(beside_bulk_loops(server.grpc_url, texts, clients, args.loop_s, bulk=args.bulk))
             print(f"| {clients} | {one.ok_per_s:.0f} | {one.refused_per_s:.0f} | {one.p50_ms:.0f} | {one.p99_ms:.0f} | "
                   f"{big.ok_per_s * size:.0f} | {big.refused_per_s:.0f} | {big.p99_ms:.0f} |", flush=True)  # fmt: skip
     print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity: HTTP {http.capacity:.0f}, gRPC "
