@@ -16,6 +16,8 @@ Against the embedded server on a copy of the model repository (response cache of
 4. Zero refusals right after an idle spell: the knee's concurrency again after 5 s of silence.
 5. Parts 2 and 3 again against a second server with one encoder knob changed (``--compare KNOB=VALUE``, default
    ``MAX_IN_FLIGHT=0``, no door; ``--no-compare`` skips it), so that what a mechanism carries shows side by side.
+   ``--alternate ROUNDS`` runs only wrk's floods (the Poisson bursts too, given ``--capacity``), against both
+   servers in turn, ROUNDS times, and prints the medians: the steadier comparison on a machine whose speed drifts.
 
 Parts 2 and 3 run twice each: from wrk (C, HTTP; ``bench/wrk_embed.lua``) and from Python asyncio gRPC clients.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -388,6 +391,43 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
                   f"{r.late} | {server_cores:.2f} | {client_cores:.2f} |", flush=True)  # fmt: skip
 
 
+def alternating_floods(servers: dict[str, object], wrk_texts: Path, args: argparse.Namespace) -> None:
+    """Run wrk's floods against each of ``servers`` in turn, ``args.alternate`` times; print each run and the medians.
+
+    The floods: no-backoff loops of ``args.loops`` clients, and with ``args.capacity`` Poisson bursts at
+    ``args.rates`` times it. Alternating, rather than one server's floods after the other's, spreads a shared
+    machine's drifts in speed over every server alike.
+
+    Args:
+        servers: ``{label: running EmbeddedServer}``.
+        wrk_texts: ``write_wrk_texts``'s file.
+        args: the command line.
+    """
+    loads = [(f"{c} retrying at once", lambda srv, c=c: wrk_loop(srv.http_url, wrk_texts, c, args.loop_s))
+             for c in (int(x) for x in args.loops.split(","))]  # fmt: skip
+    if args.capacity:
+        loads += [(f"Poisson {f:g}x = {f * args.capacity:.0f}/s",
+                   lambda srv, f=f: wrk_poisson(srv.http_url, wrk_texts, f * args.capacity, args.burst_s))
+                  for f in (float(x) for x in args.rates.split(","))]  # fmt: skip
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    print("| round | load | server | successes/s | accepted p99 ms |")
+    print("|---|---|---|---|---|")
+    for k, (load, run) in itertools.product(range(args.alternate), loads):
+        for label, server in servers.items():
+            time.sleep(3)
+            r = run(server)
+            p99 = r.p99_ms if isinstance(r, LoopResult) else r.p99_after_1s_ms
+            runs.setdefault((load, label), []).append((r.ok_per_s, p99))
+            print(f"| {k + 1} | {load} | {label} | {r.ok_per_s:.0f} | {p99:.0f} |", flush=True)
+    print(f"\nmedians of {args.alternate} rounds:")
+    print("| load | server | successes/s | accepted p99 ms | each round: successes/s, p99 ms |")
+    print("|---|---|---|---|---|")
+    for (load, label), rs in runs.items():
+        each = "; ".join(f"{ok:.0f}, {p99:.0f}" for ok, p99 in rs)
+        print(f"| {load} | {label} | {np.median([ok for ok, _ in rs]):.0f} | {np.median([p for _, p in rs]):.0f} | "
+              f"{each} |")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
     """Run every part against one server; print the figures with their ratios to the best throughput and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -410,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
                         help="the encoder knob KNOB=VALUE of a second server the floods run against")  # fmt: skip
     parser.add_argument("--no-compare", dest="compare", action="store_const", const="",
                         help="run the floods against the shipped server only")  # fmt: skip
+    parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                        help="only wrk's floods (Poisson too with --capacity), against the shipped server and the "
+                        "--compare one in turn, ROUNDS times")  # fmt: skip
     args = parser.parse_args(argv)
     knob, _, value = args.compare.partition("=")
     if args.compare and not (knob and value):
@@ -418,6 +461,21 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     from triton_embed_server.embedded import EmbeddedServer
 
     from bench.run import variant_repository
+
+    if args.alternate:
+        if not args.compare:
+            parser.error("--alternate needs a --compare KNOB=VALUE")
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=ROOT / ".build"))
+            servers = {}
+            for label, knobs in (("shipped", None), (f"{knob} {value}", {("encoder", knob): value})):
+                repo = variant_repository(Path(tmp) / f"repo-{len(servers)}", knobs=knobs)
+                servers[label] = stack.enter_context(EmbeddedServer(
+                    model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                    log_file=Path(tmp) / f"tritonserver-{len(servers)}.log"))  # fmt: skip
+            wrk_texts = write_wrk_texts(Path(tmp) / "wrk-texts.txt", unique_texts(20_000, "wrk"))
+            alternating_floods(servers, wrk_texts, args)
+        return 0
 
     with tempfile.TemporaryDirectory(dir=ROOT / ".build" if (ROOT / ".build").is_dir() else None) as tmp:
         repo = variant_repository(Path(tmp) / "repo", None)
