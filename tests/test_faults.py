@@ -82,10 +82,11 @@ def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(
     rows = scrape(fault_server.metrics_url)
     for name in ("triton_embed_shed_requests_total", "triton_embed_padded_tokens_total"):
         assert any(k.startswith(f"{name}{{") for k in rows), sorted(rows)
-    # The door still knows the encoder's MAX_IN_FLIGHT (32) and REFUSAL_HOLD_MS (1 s): the shared in-flight file
-    # (overload.InFlight: count, idle since, limit, hold ns) outlives a reload of either backend.
+    # The door still knows the encoder's MAX_IN_FLIGHT (32), REFUSAL_HOLD_MS (1 s) and FLOOD_LATENCY_MS (100 ms): the
+    # shared in-flight file (overload.InFlight: count, idle since, limit, hold ns, flood ns, answered) outlives a
+    # reload of either backend.
     (door,) = Path("/dev/shm").glob(f"triton-embed-{fault_server.pid}-*.in-flight")
-    assert struct.unpack("<qqqq", door.read_bytes())[2:] == (32, 1_000_000_000)
+    assert struct.unpack("<qqqqqq", door.read_bytes())[2:5] == (32, 1_000_000_000, 100_000_000)
 
 
 def stub_regions(server_pid: int) -> set[str]:

@@ -160,6 +160,28 @@ def test_clients_that_retry_at_once_keep_the_goodput(fresh_server):
 
 
 @pytest.fixture(scope="module")
+def flood_server(tmp_path_factory):
+    """MAX_IN_FLIGHT 32 as shipped, FLOOD_LATENCY_MS 10: under a flood the limit (answers/s x 10 ms, at least 16) is
+    below 32 on any CPU, so the test sees the door lower it whatever the machine's speed."""
+    tmp = tmp_path_factory.mktemp("flood")
+    repo = variant_repository(tmp / "repo", knobs={("encoder", "FLOOD_LATENCY_MS"): "10"})
+    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
+        yield srv
+
+
+def test_under_a_flood_the_door_lowers_its_limit_and_32_clients_after_it_are_never_refused(flood_server):
+    texts = unique_texts(40_000, "flood")
+    answers, errors = closed_loop(flood_server.grpc_url, texts, clients=64, seconds=4)
+    limits = [int(m.split("the limit is ")[1].split()[0]) for m in errors if "(under a flood" in m]
+    assert answers > 0 and limits, errors[:3]
+    assert min(limits) >= 16 and max(limits) < 32  # half of MAX_IN_FLIGHT at least
+    assert all("FLOOD_LATENCY_MS, 10 ms" in m for m in errors if "(under a flood" in m)
+    time.sleep(1.5)  # the flood's last refusals are answered
+    answers, errors = closed_loop(flood_server.grpc_url, texts[20_000:], clients=32, seconds=3)
+    assert answers >= 32 and errors == []
+
+
+@pytest.fixture(scope="module")
 def narrow_door(tmp_path_factory):
     """MAX_IN_FLIGHT 2 (and no wait budget, as shipped), so that the door refuses a third request."""
     tmp = tmp_path_factory.mktemp("door")

@@ -66,6 +66,7 @@ from triton_embed_protocol.overload import (
     METRIC,
     METRIC_HELP,
     BudgetError,
+    Door,
     InFlight,
     RefusalHold,
     admit,
@@ -187,6 +188,7 @@ class TritonPythonModel:
             )
         self.in_flight = InFlight(args["model_repository"])
         self.in_flight.reset()
+        self.door = Door()
         self.refusals = RefusalHold()
         self._shed_family = pb_utils.MetricFamily(
             name=METRIC, description=METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
@@ -271,15 +273,16 @@ class TritonPythonModel:
                 budgets[i] = request_budget_ms(request_parameters_, math.inf)  # no budget of its own: not exempt
             except BudgetError as exc:
                 errors[i] = str(exc)
-        in_flight, limit, hold_ns = self.in_flight.door()  # the encoder's MAX_IN_FLIGHT and REFUSAL_HOLD_MS
+        state = self.in_flight.door()  # the count, and the encoder's MAX_IN_FLIGHT, REFUSAL_HOLD_MS, FLOOD_LATENCY_MS
+        limit = self.door.limit(arrived_ns, state, self.refusals.pending())
         if not limit:
             return set()
         candidates = list(budgets)
-        refused = admit(in_flight, limit, [budgets[i] for i in candidates])
+        refused = admit(state.count, limit, [budgets[i] for i in candidates], state.limit, state.flood_ns / 1e6)
         for k, message in refused.items():
             error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
             response = pb_utils.InferenceResponse(output_tensors=[], error=error)
-            self.refusals.hold(arrived_ns + hold_ns, _answer(requests[candidates[k]], response))
+            self.refusals.hold(arrived_ns + state.hold_ns, _answer(requests[candidates[k]], response))
         if refused:
             self._shed_metric.increment(len(refused))
         return {candidates[k] for k in refused}

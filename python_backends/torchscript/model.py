@@ -156,6 +156,7 @@ class TritonPythonModel:
             self.latency_budget_ms = config_number(params, "LATENCY_BUDGET_MS", "0")
             self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
             max_in_flight = config_number(params, "MAX_IN_FLIGHT", "0", integer=True)
+            flood_ns = int(config_number(params, "FLOOD_LATENCY_MS", "0") * 1e6)
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
         torch.set_num_threads(threads)
@@ -183,7 +184,7 @@ class TritonPythonModel:
         self.runner.warmup()
         self.refusals = RefusalHold()
         self.in_flight = InFlight(args["model_repository"])
-        self.in_flight.reset(max_in_flight, self.refusal_hold_ns)  # the tokenizer's door reads both
+        self.in_flight.reset(max_in_flight, self.refusal_hold_ns, flood_ns)  # the tokenizer's door reads them
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])

@@ -1,17 +1,17 @@
 """Overload control: at most ``MAX_IN_FLIGHT`` requests in the service, and none served after its latency budget.
 
 Policy: the tokenizer refuses a request that arrives while ``MAX_IN_FLIGHT`` requests are already between it and the
-encoder's answer, and the encoder refuses a request with a latency budget (the request parameter
-``latency_budget_ms``, else ``LATENCY_BUDGET_MS``: none on CPU as shipped) that has waited longer than it in its
-queue. Every refusal is answered ``REFUSAL_HOLD_MS`` after the request arrived, so a client that retries at once
-cannot send faster than the server answers.
+encoder's answer (under a flood, while as many as the encoder answers in ``FLOOD_LATENCY_MS`` are), and the encoder
+refuses a request with a latency budget (the request parameter ``latency_budget_ms``, else ``LATENCY_BUDGET_MS``:
+none on CPU as shipped) that has waited longer than it in its queue. Every refusal is answered ``REFUSAL_HOLD_MS``
+after the request arrived, so a client that retries at once cannot send faster than the server answers.
 
 Nothing is refused on a prediction, and a closed loop of up to ``MAX_IN_FLIGHT`` clients is never refused at the
 door. The request parameter ``latency_budget_ms`` 0 exempts a request from both rules (bulk jobs). Design and
 figures: docs/overload.md.
 
-Used by both backends (tokenizer: :func:`admit`, encoder: :func:`shed`); pure Python, no torch, no Triton:
-tests/unit/test_overload_policy.py.
+Used by both backends (tokenizer: :class:`Door` and :func:`admit`, encoder: :func:`shed`); pure Python, no torch, no
+Triton: tests/unit/test_overload_policy.py.
 """
 
 from __future__ import annotations
@@ -21,13 +21,16 @@ import fcntl
 import hashlib
 import heapq
 import itertools
+import math
 import os
 import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` a request may carry, ms (an hour; 0 is "never refuse" for longer jobs)."""
@@ -103,15 +106,29 @@ def shed(waited_ms: list[float | None], budgets_ms: list[float]) -> dict[int, st
     }
 
 
-def full_message(in_flight: int, limit: int) -> str:
-    """The UNAVAILABLE message of a request refused at the door: the load, the limit and the knobs."""
+def full_message(in_flight: int, limit: int, max_in_flight: int | None = None, flood_ms: float = 0.0) -> str:
+    """The UNAVAILABLE message of a request refused at the door: the load, the limit and the knobs.
+
+    Args:
+        in_flight: requests in flight when it arrived.
+        limit: the door's limit then.
+        max_in_flight: ``MAX_IN_FLIGHT`` (None: ``limit``); a lower ``limit`` is the flood limit (:class:`Door`).
+        flood_ms: ``FLOOD_LATENCY_MS``, ms.
+    """
+    if max_in_flight is None or limit >= max_in_flight:
+        why = "MAX_IN_FLIGHT in the encoder's config"
+    else:
+        why = (f"under a flood: the requests the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
+               f"of MAX_IN_FLIGHT to all of it, {max_in_flight}, in the encoder's config")  # fmt: skip
     return (
-        f"overloaded: {in_flight} requests are in flight, the limit is {limit} (MAX_IN_FLIGHT in the encoder's "
-        "config; the request parameter latency_budget_ms 0 exempts a request). Retry with backoff"
+        f"overloaded: {in_flight} requests are in flight, the limit is {limit} ({why}; the request parameter "
+        "latency_budget_ms 0 exempts a request). Retry with backoff"
     )
 
 
-def admit(in_flight: int, limit: int, budgets_ms: list[float]) -> dict[int, str]:
+def admit(
+    in_flight: int, limit: int, budgets_ms: list[float], max_in_flight: int | None = None, flood_ms: float = 0.0
+) -> dict[int, str]:
     """The requests of one tokenizer execution to refuse at the door, each with its message.
 
     Requests are taken in order; each is admitted while fewer than ``limit`` requests are in flight (counting the
@@ -119,8 +136,10 @@ def admit(in_flight: int, limit: int, budgets_ms: list[float]) -> dict[int, str]
 
     Args:
         in_flight: requests handed on to the encoder and not yet answered by it (:class:`InFlight`).
-        limit: ``MAX_IN_FLIGHT``; 0 = no limit.
+        limit: the door's limit (:meth:`Door.limit`); 0 = no limit.
         budgets_ms: per request, its latency budget, ms (0 = never refused).
+        max_in_flight: ``MAX_IN_FLIGHT``, for the message (:func:`full_message`).
+        flood_ms: ``FLOOD_LATENCY_MS``, ms, for the message.
 
     Returns:
         ``{request index: UNAVAILABLE message}``.
@@ -128,10 +147,75 @@ def admit(in_flight: int, limit: int, budgets_ms: list[float]) -> dict[int, str]
     refused = {}
     for i, budget in enumerate(budgets_ms):
         if limit and budget > 0 and in_flight >= limit:
-            refused[i] = full_message(in_flight, limit)
+            refused[i] = full_message(in_flight, limit, max_in_flight, flood_ms)
         else:
             in_flight += 1
     return refused
+
+
+class DoorState(NamedTuple):
+    """What the tokenizer's door reads from :class:`InFlight`."""
+
+    count: int
+    """requests in flight (0 once the encoder has been idle for :data:`InFlight.IDLE_NS`)"""
+    limit: int
+    """the encoder's ``MAX_IN_FLIGHT`` (0 = no door)"""
+    hold_ns: int
+    """the encoder's ``REFUSAL_HOLD_MS``, ns"""
+    flood_ns: int
+    """the encoder's ``FLOOD_LATENCY_MS``, ns"""
+    answered: int
+    """requests the encoder has counted out of flight since the server started"""
+
+
+class Door:
+    """The door's limit: ``MAX_IN_FLIGHT``, and under a flood the requests the encoder answers in ``FLOOD_LATENCY_MS``.
+
+    A flood is more requests in the service and refused (their refusals held) than ``MAX_IN_FLIGHT``: more clients
+    than the door lets in. Once one has lasted :data:`WINDOW_NS`, the limit is the encoder's answers per second over
+    the last :data:`WINDOW_NS` times ``FLOOD_LATENCY_MS``, so that an admitted request spends about
+    ``FLOOD_LATENCY_MS`` in the service (Little's law) instead of waiting behind ``MAX_IN_FLIGHT`` others; never above
+    ``MAX_IN_FLIGHT`` and never below :data:`FLOOR` of it. A load of up to ``MAX_IN_FLIGHT`` requests at a time (a
+    closed loop of that many clients; fresh, after an idle spell or after a flood) is never refused. One per
+    tokenizer instance, asked once per execution.
+    """
+
+    WINDOW_NS = 1_000_000_000
+    """How long a flood lasts before the limit follows the encoder's answers, and the span they are counted over, ns
+    (1 s)."""
+    FLOOR = 0.5
+    """The lowest limit, a share of ``MAX_IN_FLIGHT``: below it the encoder's batches are too small to keep its
+    throughput while refusals share the cores (docs/benchmarks.md, "The flood limit")."""
+
+    def __init__(self) -> None:
+        """A door that has seen no flood."""
+        self._answers: deque[tuple[int, int]] = deque()  # (monotonic ns, the encoder's answers so far)
+        self._flood_since: int | None = None
+
+    def limit(self, now_ns: int, state: DoorState, held: int) -> int:
+        """The limit for an execution that begins at ``now_ns``.
+
+        Args:
+            now_ns: ``time.monotonic_ns()``.
+            state: the count and the encoder's knobs and answers (:meth:`InFlight.door`).
+            held: refusals of this door not answered yet (:meth:`RefusalHold.pending`).
+
+        Returns:
+            requests that may be in flight; 0 = no limit.
+        """
+        self._answers.append((now_ns, state.answered))
+        while len(self._answers) > 1 and self._answers[1][0] <= now_ns - self.WINDOW_NS:
+            self._answers.popleft()
+        if not (state.limit and state.flood_ns) or state.count + held <= state.limit:
+            self._flood_since = None
+            return state.limit
+        if self._flood_since is None:
+            self._flood_since = now_ns
+        if now_ns - self._flood_since < self.WINDOW_NS:
+            return state.limit  # the answers counted so far are not all from the flood yet
+        since_ns, before = self._answers[0]
+        per_ns = (state.answered - before) / max(now_ns - since_ns, 1)
+        return max(math.ceil(state.limit * self.FLOOR), min(state.limit, round(per_ns * state.flood_ns)))
 
 
 class InFlight:
@@ -139,10 +223,11 @@ class InFlight:
 
     The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent) and the model repository, so every
     server on a host has its own; each read or change takes an exclusive ``flock``. It holds the count, when the
-    encoder last went idle, and the encoder's ``MAX_IN_FLIGHT`` and ``REFUSAL_HOLD_MS`` (the door's limit belongs to
-    the encoder's hardware, so it lives in the encoder's config and reaches the tokenizer here). The tokenizer counts
-    in only requests that ask for ``queued_ns`` (the ensemble does; a direct caller of the tokenizer that names its
-    outputs does not). The count heals itself: it never goes below 0, either backend sets it to 0 when it loads, and
+    encoder last went idle, the encoder's ``MAX_IN_FLIGHT``, ``REFUSAL_HOLD_MS`` and ``FLOOD_LATENCY_MS`` (the door's
+    limit belongs to the encoder's hardware, so it lives in the encoder's config and reaches the tokenizer here), and
+    the requests the encoder has counted out since the server started (:class:`Door` reads their rate). The tokenizer
+    counts in only requests that ask for ``queued_ns`` (the ensemble does; a direct caller of the tokenizer that names
+    its outputs does not). The count heals itself: it never goes below 0, either backend sets it to 0 when it loads, and
     a count left while the encoder has sat idle for :data:`IDLE_NS` since the last hand-off (requests that never
     reached it: a direct call of the tokenizer asking for every output, a stub that died) reads as 0. Exact with one
     encoder instance (as shipped); with more, it can only read low. The file outlives a reload of either backend
@@ -153,7 +238,7 @@ class InFlight:
     IDLE_NS = 100_000_000
     """An idle encoder takes a waiting request within this, ns (dynamic batcher without delay); 100 ms."""
 
-    _FORMAT = "<qqqq"  # count, idle since (monotonic ns, 0 = executing), limit, refusal hold (ns)
+    _FORMAT = "<qqqqqq"  # count, idle since (monotonic ns, 0 = executing), limit, refusal hold ns, flood ns, answered
 
     def __init__(self, model_directory: str | Path) -> None:
         """Count for the server that runs this stub and the repository holding ``model_directory``."""
@@ -169,7 +254,7 @@ class InFlight:
             fcntl.flock(fd, fcntl.LOCK_EX)
             size = struct.calcsize(self._FORMAT)
             raw = os.pread(fd, size, 0)
-            fields = list(struct.unpack(self._FORMAT, raw)) if len(raw) == size else [0, 0, 0, 0]
+            fields = list(struct.unpack(self._FORMAT, raw)) if len(raw) == size else [0] * 6
             now = time.monotonic_ns()
             if fields[1] and now - fields[1] > self.IDLE_NS:
                 fields[0] = 0  # the encoder sat idle: whatever is counted never reached it
@@ -180,13 +265,10 @@ class InFlight:
         finally:
             os.close(fd)  # releases the lock
 
-    def door(self) -> tuple[int, int, int]:
-        """The tokenizer's view: (requests in flight, the encoder's ``MAX_IN_FLIGHT`` (0 = no door), hold in ns).
-
-        The count reads 0 when the encoder has been idle for :data:`IDLE_NS`.
-        """
-        count, _, limit, hold_ns = self._update(lambda fields, now: None)
-        return count, limit, hold_ns
+    def door(self) -> DoorState:
+        """The tokenizer's view; the count reads 0 when the encoder has been idle for :data:`IDLE_NS`."""
+        count, _, limit, hold_ns, flood_ns, answered = self._update(lambda fields, now: None)
+        return DoorState(count, limit, hold_ns, flood_ns, answered)
 
     def add(self, requests: int) -> int:
         """The tokenizer handed ``requests`` on; returns the new count."""
@@ -216,25 +298,26 @@ class InFlight:
 
         def change(fields: list[int], now: int) -> None:
             fields[0] -= requests
+            fields[5] += requests
             if idle:
                 fields[1] = now
 
         return self._update(change)[0]
 
-    def reset(self, limit: int | None = None, hold_ns: int | None = None) -> None:
+    def reset(self, limit: int | None = None, hold_ns: int | None = None, flood_ns: int | None = None) -> None:
         """Set the count to 0 (a backend loading); delete the files of servers no longer running.
 
         Args:
             limit: the encoder's ``MAX_IN_FLIGHT`` (None: keep the one written).
             hold_ns: the encoder's ``REFUSAL_HOLD_MS``, ns (None: keep the one written).
+            flood_ns: the encoder's ``FLOOD_LATENCY_MS``, ns (None: keep the one written).
         """
 
         def change(fields: list[int], now: int) -> None:
             fields[0], fields[1] = 0, now
-            if limit is not None:
-                fields[2] = limit
-            if hold_ns is not None:
-                fields[3] = hold_ns
+            for k, value in ((2, limit), (3, hold_ns), (4, flood_ns)):
+                if value is not None:
+                    fields[k] = value
 
         self._update(change)
         for stale in self.folder.glob("triton-embed-*-*.in-flight"):

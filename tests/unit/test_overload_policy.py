@@ -8,7 +8,16 @@ import time
 
 import pytest
 from triton_embed_protocol import request_parameters
-from triton_embed_protocol.overload import BudgetError, InFlight, RefusalHold, admit, request_budget_ms, shed
+from triton_embed_protocol.overload import (
+    BudgetError,
+    Door,
+    DoorState,
+    InFlight,
+    RefusalHold,
+    admit,
+    request_budget_ms,
+    shed,
+)
 
 
 @pytest.mark.parametrize(("parameters", "expected"), [
@@ -76,6 +85,56 @@ def test_no_limit_refuses_nothing():
     assert admit(in_flight=10_000, limit=0, budgets_ms=[math.inf] * 64) == {}
 
 
+S = 1_000_000_000  # ns
+
+
+def flood_state(count: int, answered: int) -> DoorState:
+    """MAX_IN_FLIGHT 32, FLOOD_LATENCY_MS 100."""
+    return DoorState(count, limit=32, hold_ns=S, flood_ns=S // 10, answered=answered)
+
+
+def test_the_door_stays_at_max_in_flight_until_more_than_that_have_come_for_a_second():
+    door = Door()
+    assert door.limit(0, flood_state(32, 0), held=0) == 32  # 32 clients: no flood, however slow the answers
+    assert door.limit(S // 2, flood_state(32, 1), held=0) == 32
+    assert door.limit(S, flood_state(32, 2), held=8) == 32  # 40 clients: a flood begins
+    assert door.limit(S + S // 2, flood_state(32, 50), held=8) == 32  # not a second yet
+    # a second of it: 200 answers/s over the last second (2 -> 202) x 100 ms
+    assert door.limit(2 * S, flood_state(32, 202), held=8) == 20
+
+
+def test_under_a_flood_the_limit_follows_the_answers_between_half_and_all_of_max_in_flight():
+    door = Door()
+    door.limit(0, flood_state(32, 0), held=100)
+    assert door.limit(S, flood_state(32, 1000), held=100) == 32  # 1000/s x 100 ms = 100: capped
+    assert door.limit(2 * S, flood_state(32, 1250), held=100) == 25  # 250/s
+    assert door.limit(3 * S, flood_state(32, 1250), held=100) == 16  # the encoder answered nothing for a second
+
+
+def test_the_limit_is_max_in_flight_again_once_the_clients_fit_under_it():
+    door = Door()
+    door.limit(0, flood_state(32, 0), held=100)
+    assert door.limit(S, flood_state(20, 200), held=100) == 20
+    # the flood's clients are gone (their refusals answered): 25 clients, fewer than 32, are never refused
+    assert door.limit(S + 1, flood_state(20, 200), held=5) == 32
+    door.limit(S + 2, flood_state(32, 150), held=1)  # a flood again: a second before the limit moves
+    assert door.limit(2 * S, flood_state(32, 300), held=1) == 32
+
+
+def test_no_door_or_no_flood_latency_keeps_the_configured_limit():
+    for limit, flood_ns in ((0, S // 10), (32, 0)):
+        door = Door()
+        for t in range(4):
+            state = DoorState(10_000, limit=limit, hold_ns=S, flood_ns=flood_ns, answered=t)
+            assert door.limit(t * S, state, held=1000) == limit
+
+
+def test_a_refusal_under_a_flood_names_the_lowered_limit_and_both_knobs():
+    refused = admit(in_flight=20, limit=20, budgets_ms=[math.inf], max_in_flight=32, flood_ms=100.0)
+    assert "the limit is 20 (under a flood" in refused[0]
+    assert "FLOOD_LATENCY_MS, 100 ms, from half of MAX_IN_FLIGHT to all of it, 32, in" in refused[0]
+
+
 def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_itself(tmp_path):
     (tmp_path / "repo" / "tokenizer").mkdir(parents=True)
     (tmp_path / "repo" / "encoder").mkdir()
@@ -84,9 +143,9 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
     encoder = InFlight(tmp_path / "repo" / "encoder")
     elsewhere = InFlight(tmp_path / "other" / "encoder")
     try:
-        encoder.reset(32, 1_000_000_000)  # the encoder's MAX_IN_FLIGHT and REFUSAL_HOLD_MS, for the door
+        encoder.reset(32, 1_000_000_000, 100_000_000)  # MAX_IN_FLIGHT, REFUSAL_HOLD_MS, FLOOD_LATENCY_MS
         tokenizer.reset()  # a tokenizer loading keeps them
-        assert tokenizer.door() == (0, 32, 1_000_000_000)
+        assert tokenizer.door() == DoorState(0, 32, 1_000_000_000, 100_000_000, answered=0)
         encoder.started()  # busy: the count stands however long
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
@@ -103,6 +162,7 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
         tokenizer.add(4)
         encoder.reset()
         assert tokenizer.door()[0] == 0
+        assert tokenizer.door().answered == 10  # every count-out, whatever the count did
     finally:
         for count in (tokenizer, elsewhere):
             count.path.unlink(missing_ok=True)
