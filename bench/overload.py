@@ -297,16 +297,9 @@ async def poisson_burst(url: str, texts: list[str], rate: float, seconds: float,
 
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the live processes of process group ``pgid``, from /proc."""
-    from triton_embed_server.supervisor import group_members
+    from triton_embed_server.supervisor import group_members, proc_state
 
-    ticks = 0
-    for pid in group_members(pgid):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ")"
-        except OSError:
-            continue  # exited meanwhile
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(stat.cpu_s for stat in map(proc_state, group_members(pgid)) if stat is not None)  # None: exited
 
 
 def with_cores(run, server_pid: int, *, child_client: bool):

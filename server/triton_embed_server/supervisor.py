@@ -40,6 +40,7 @@ STUB_NAME = "triton_python_backend_stub"
 # Between looks until the server is ready (the tokenizer's stub loads its model in ~0.15 s, the encoder's in seconds).
 # A stub that dies sooner after its start is caught once the server is ready, by counting stubs per model.
 STARTUP_INTERVAL_S = 0.25
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time, per second
 ADMIN_HEADER = "triton-embed-admin-key"  # the admin APIs' header, here and in docker/triton-entrypoint.sh
 
 
@@ -49,11 +50,13 @@ class ProcState(NamedTuple):
     Attributes:
         state: as ``ps`` shows it: ``R``, ``S``, ``T`` (stopped), ``Z`` (zombie: exited, not yet reaped), ...
         ppid, pgrp: parent process ID, process group ID.
+        cpu_s: CPU seconds it has used so far, user + system.
     """
 
     state: str
     ppid: int
     pgrp: int
+    cpu_s: float
 
     @property
     def running(self) -> bool:
@@ -67,7 +70,7 @@ def proc_state(pid: int) -> ProcState | None:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ")" and spaces
     except (OSError, IndexError):
         return None
-    return ProcState(fields[0], int(fields[1]), int(fields[2]))
+    return ProcState(fields[0], int(fields[1]), int(fields[2]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
 
 
 def process_alive(pid: int) -> bool:
