@@ -421,6 +421,21 @@ def alternating_floods(servers: dict[str, object], wrk_texts: Path, args: argpar
               f"{each} |")  # fmt: skip
 
 
+def served(folder: Path, name: str, knobs: dict[tuple[str, str], str] | None = None):
+    """An embedded server (a context manager) on free loopback ports, over a copy of the model repository.
+
+    The copy (``bench.run.variant_repository``, response cache off, ``knobs`` set) is ``folder/repo-<name>``, the
+    server's log ``folder/tritonserver-<name>.log``.
+    """
+    from triton_embed_server.embedded import EmbeddedServer
+
+    from bench.run import variant_repository
+
+    repo = variant_repository(folder / f"repo-{name}", knobs=knobs)
+    return EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                          log_file=folder / f"tritonserver-{name}.log")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
     """Run every part against one server; print the figures with their ratios to the best throughput and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -451,32 +466,25 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     if args.compare and not (knob and value):
         parser.error(f"--compare takes KNOB=VALUE, an encoder config parameter, got {args.compare!r}")
     sys.path.insert(0, str(ROOT))
-    from triton_embed_server.embedded import EmbeddedServer
-
-    from bench.run import variant_repository
+    compared = {("encoder", knob): value}
+    scratch = ROOT / ".build" if (ROOT / ".build").is_dir() else None
 
     if args.alternate:
         if not args.compare:
             parser.error("--alternate needs a --compare KNOB=VALUE")
         with contextlib.ExitStack() as stack:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=ROOT / ".build"))
-            servers = {}
-            for label, knobs in (("shipped", None), (f"{knob} {value}", {("encoder", knob): value})):
-                repo = variant_repository(Path(tmp) / f"repo-{len(servers)}", knobs=knobs)
-                servers[label] = stack.enter_context(EmbeddedServer(
-                    model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                    log_file=Path(tmp) / f"tritonserver-{len(servers)}.log"))  # fmt: skip
-            wrk_texts = write_wrk_texts(Path(tmp) / "wrk-texts.txt", unique_texts(20_000, "wrk"))
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=scratch)))
+            servers = {"shipped": stack.enter_context(served(tmp, "shipped")),
+                       f"{knob} {value}": stack.enter_context(served(tmp, "compared", compared))}  # fmt: skip
+            wrk_texts = write_wrk_texts(tmp / "wrk-texts.txt", unique_texts(20_000, "wrk"))
             alternating_floods(servers, wrk_texts, args)
         return 0
 
-    with tempfile.TemporaryDirectory(dir=ROOT / ".build" if (ROOT / ".build").is_dir() else None) as tmp:
-        repo = variant_repository(Path(tmp) / "repo", None)
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         data = Path(tmp) / "texts.json"
         texts = unique_texts(60_000, "pa")
         data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]}} for t in texts]}))
-        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                            log_file=Path(tmp) / "tritonserver.log") as server:  # fmt: skip
+        with served(Path(tmp), "shipped") as server:
             port = int(server.grpc_url.rsplit(":", 1)[1])
             levels = [int(x) for x in args.levels.split(",")]
             on, off = [], []
@@ -523,9 +531,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
             loop_texts = unique_texts(400_000, "loop")
             floods(server, loop_texts, wrk_texts, args, http=http, grpc=grpc, label="shipped settings")
         if args.compare:  # the same floods with one knob changed: what its mechanism carries
-            repo_off = variant_repository(Path(tmp) / "repo-off", knobs={("encoder", knob): value})
-            with EmbeddedServer(model_repository=repo_off, http_port=0, grpc_port=0, metrics_port=0,
-                                log_file=Path(tmp) / "tritonserver-off.log") as server:  # fmt: skip
+            with served(Path(tmp), "compared", compared) as server:
                 floods(server, loop_texts[::-1], wrk_texts, args, http=http, grpc=grpc, label=f"encoder {knob} {value}")
     return 0
 
