@@ -27,7 +27,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test unit lint typecheck bench bench-overload clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install model reference-model serve test unit lint typecheck bench bench-overload perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -105,6 +105,11 @@ bench-overload: reference-model
 	@command -v wrk >/dev/null || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q \
 		&& $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; }
 	$(PY) -m bench.overload $(BENCH_ARGS)
+
+# perf_analyzer's --input-data file (bench/perf_data.py): 200,000 texts never sent before, from STS-B or CORPUS=file.
+PERF_DATA ?= .build/perf-texts.json
+perf-data: install
+	$(PY) -m bench.perf_data $(if $(CORPUS),--corpus "$(CORPUS)") --out $(PERF_DATA)
 
 # What bench/gpu_check.py needs on the GPU machine, under .build/gpu-carry (pytriton and nvidia-ml-py wheels for
 # Python 3.12, MiniLM's config and tokenizer files); prints the device tool's carry list and command line.

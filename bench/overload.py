@@ -43,17 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.perf_data import perf_analyzer_data, unique_texts
+
 ROOT = Path(__file__).resolve().parents[1]
 PERF_ANALYZER = Path(os.environ.get("PERF_ANALYZER", ROOT.parent / "shared" / "tools" / "perf-analyzer"))
 SLA_MS = 200.0
-
-
-def unique_texts(count: int, tag: str) -> list[str]:
-    """``count`` texts that never repeat: STS-B sentences, each with ``tag`` and its number appended."""
-    from loadtest.corpus import load_corpus
-
-    corpus = load_corpus()
-    return [f"{corpus[i % len(corpus)]} {tag}{i}" for i in range(count)]
 
 
 @dataclass(frozen=True)
@@ -483,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         data = Path(tmp) / "texts.json"
         texts = unique_texts(60_000, "pa")
-        data.write_text(json.dumps({"data": [{"TEXT": {"content": [t], "shape": [1]}} for t in texts]}))
+        data.write_text(json.dumps(perf_analyzer_data(texts)))
         with served(Path(tmp), "shipped") as server:
             port = int(server.grpc_url.rsplit(":", 1)[1])
             levels = [int(x) for x in args.levels.split(",")]

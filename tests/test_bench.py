@@ -1,12 +1,20 @@
-"""`make bench` runs end to end (a tiny run: one level, half a second); it asserts the report, not the speed."""
+"""`make bench` runs end to end (a tiny run: one level, half a second); it asserts the report, not the speed. And
+``bench.perf_data`` writes perf_analyzer's input file."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
+from helpers import infer, text_tensor
 
 from bench import run as bench_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
@@ -55,3 +63,46 @@ def test_levels_with_failed_requests_are_named_under_the_table():
     table = bench_run.markdown(results, {"throughput": 100.0, "single_p50_ms": 5.0, "single_p99_ms": 6.0}, 200.0, args)
     assert "triton-fixed128: requests failed (416 at concurrency 32); those levels were not eligible." in table
     assert "naive: requests failed" not in table
+
+
+def test_perf_data_holds_distinct_texts_the_ensemble_serves(tmp_path, server):
+    corpus = tmp_path / "queries.txt"
+    corpus.write_text("How do I reset my password?\n\nWhere is my order?\nCancel my plan.\n", encoding="utf-8")
+    out = tmp_path / "perf.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.perf_data", "--corpus", str(corpus), "--count", "7", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"--input-data {out}" in run.stdout  # the perf_analyzer command line to run next
+    entries = json.loads(out.read_text())["data"]
+    assert [set(e) for e in entries] == [{"TEXT"}] * 7  # no TRUNCATE / PROMPT_NAME for perf_analyzer to fill
+    texts = [e["TEXT"]["content"][0] for e in entries]
+    assert len(set(texts)) == 7 and texts[3].startswith("How do I reset my password?")
+    cache_hits_before = read_cache_hits(server.grpc_url)
+    vectors = [infer(server.grpc_url, "embed", {"TEXT": text_tensor([t])}, ["EMBEDDING"])["EMBEDDING"] for t in texts]
+    assert all(v.shape == (1, 384) for v in vectors)
+    assert read_cache_hits(server.grpc_url) == cache_hits_before  # every request computed, none from the cache
+
+    again = subprocess.run(
+        [sys.executable, "-m", "bench.perf_data", "--corpus", str(corpus), "--count", "7", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert not {e["TEXT"]["content"][0] for e in json.loads(out.read_text())["data"]} & set(texts)  # one file per level
+
+    missing = subprocess.run(
+        [sys.executable, "-m", "bench.perf_data", "--corpus", str(tmp_path / "nope.txt"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "nope.txt not found" in missing.stderr
+
+
+def read_cache_hits(grpc_url: str) -> int:
+    """Response-cache hits of ``embed`` so far, from Triton's statistics API."""
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        stats = client.get_inference_statistics("embed", as_json=True)["model_stats"][0]["inference_stats"]
+        return int(stats.get("cache_hit", {}).get("count", 0))
+    finally:
+        client.close()

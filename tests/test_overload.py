@@ -18,7 +18,8 @@ from triton_embed.errors import ServerUnavailableError
 from triton_embed_server.embedded import EmbeddedServer
 from tritonclient.utils import InferenceServerException
 
-from bench.overload import no_backoff_loop, unique_texts
+from bench.overload import no_backoff_loop
+from bench.perf_data import unique_texts
 from bench.run import variant_repository
 
 QUEUE_DELAY_US = 400_000  # every lone request waits this long for a batch
