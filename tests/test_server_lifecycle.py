@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,12 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
+def in_flight_files(server_pid: int) -> list[Path]:
+    """The overload control's in-flight files of that server (``/dev/shm``, or the temp folder on a host without)."""
+    folders = {Path("/dev/shm"), Path(tempfile.gettempdir())}  # noqa: S108 - only read
+    return [f for folder in folders for f in folder.glob(f"triton-embed-{server_pid}-*.in-flight")]
+
+
 @pytest.fixture
 def serve_process(request, tmp_path):
     """``python -m triton_embed_server serve`` on free ports, ready; extra arguments by indirect parametrization."""
@@ -46,9 +53,11 @@ def test_serve_prints_endpoints_and_stops_on_sigterm(serve_process):
     assert f"http://127.0.0.1:{ports[0]}" in output and f"127.0.0.1:{ports[1]}" in output
     with EmbeddingClient(url=f"127.0.0.1:{ports[1]}") as client:
         assert client.embed(["served by the foreground server"]).shape == (1, 384)
+    assert in_flight_files(server_pid)  # the overload control's count, while it serves
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert process_gone(server_pid)
+    assert not in_flight_files(server_pid)  # a clean stop leaves nothing in /dev/shm
 
 
 def test_sigterm_during_startup_stops_at_once_without_claiming_ready(tmp_path):

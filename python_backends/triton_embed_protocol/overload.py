@@ -231,8 +231,8 @@ class InFlight:
     a count left while the encoder has sat idle for :data:`IDLE_NS` since the last hand-off (requests that never
     reached it: a direct call of the tokenizer asking for every output, a stub that died) reads as 0. Exact with one
     encoder instance (as shipped); with more, it can only read low. The file outlives a reload of either backend
-    (Triton finalizes the old instance after the new one loaded) and its server; a backend loading deletes the files
-    of servers no longer running.
+    (Triton finalizes the old instance after the new one loaded); the embedded server deletes its files when it stops
+    (:meth:`remove_files`), and a backend loading deletes those of servers no longer running.
     """
 
     IDLE_NS = 100_000_000
@@ -247,6 +247,14 @@ class InFlight:
         shm = Path("/dev/shm")  # noqa: S108 - opened O_NOFOLLOW, mode 0600
         self.folder = shm if shm.is_dir() else Path(tempfile.gettempdir())
         self.path = self.folder / f"triton-embed-{os.getppid()}-{key}.in-flight"
+
+    @staticmethod
+    def remove_files(server_pid: int) -> None:
+        """Delete the files of the server with process id ``server_pid``, once it has exited (a clean stop)."""
+        for folder in {Path("/dev/shm"), Path(tempfile.gettempdir())}:  # noqa: S108 - see __init__
+            for path in folder.glob(f"triton-embed-{server_pid}-*.in-flight"):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def _update(self, change: Callable[[list[int], int], None]) -> list[int]:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)

@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from triton_embed_protocol.overload import InFlight
+
 from triton_embed_server.drain import DrainError, drain
 from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
 from triton_embed_server.shm import backend_regions, remove_orphans
@@ -367,7 +369,8 @@ class EmbeddedServer:
         that then waits only for a model instance whose stub died is killed at once, and 0 returned
         (``supervisor.finish_stop``: Triton 2.51 would wait out its exit timeout and exit 1). Then
         removes the Python backend regions in ``/dev/shm`` that appeared while it ran and that no live process
-        maps (left by killed stubs: ``shm.py``), after killing any stub that outlived it (:func:`kill_leftovers`).
+        maps (left by killed stubs: ``shm.py``), after killing any stub that outlived it (:func:`kill_leftovers`),
+        and the overload control's in-flight file (``InFlight.remove_files``).
         """
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -395,6 +398,7 @@ class EmbeddedServer:
             # killed while it waited only for a dead stub (finish_stop): a clean stop, nothing was left to serve
             code = 0 if stuck_on else process.returncode
             kill_leftovers(process.pid)
+            InFlight.remove_files(process.pid)  # the overload control's count, kept in /dev/shm while it ran
             # regions of stubs killed while it ran (Triton leaves them; see shm.py), now that nothing maps them
             remove_orphans(backend_regions() - (self._regions_before or set()))
         if self._log_handle is not None:
