@@ -135,6 +135,7 @@ LONG = "word " * 400  # 402 tokens with [CLS] and [SEP]; the limit is 256
         ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}, "encoding_format", ["'int8'", "base64"]),
         ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions", ["from 1", "0"]),
         ("/v1/embeddings", b'{"input": ["a",', "body", ["not valid JSON"]),
+        ("/v1/embeddings", b'{"input": ["ab\xff"]}', "body", ["not valid UTF-8", "byte 0xff at offset 14"]),
         ("/embed", {"inputs": ["a"], "normalize": False}, "normalize", ["must be true", "False"]),
         ("/embed", {"inputs": ["a"], "truncate": "yes"}, "truncate", ["true or false", "'yes'"]),
         ("/embed", {"inputs": ["a"], "truncation_direction": "Up"}, "truncation_direction", ["'Up'", "Left"]),

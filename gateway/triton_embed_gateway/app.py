@@ -94,7 +94,7 @@ async def read_json(request: Request, limit: int) -> Any:
     """The request's JSON body.
 
     Raises:
-        ApiError: 413 for a body over ``limit`` bytes (read no further), 400 for one that is not JSON.
+        ApiError: 413 for a body over ``limit`` bytes (read no further), 400 for one that is not UTF-8 or not JSON.
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -109,6 +109,14 @@ async def read_json(request: Request, limit: int) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        try:
+            bytes(body).decode("utf-8")
+        except UnicodeDecodeError as bad:  # orjson's own message names surrogates and position 0
+            raise invalid(
+                "body",
+                f"the body is not valid UTF-8: byte 0x{body[bad.start]:02x} at offset {bad.start} ({bad.reason}); "
+                "JSON text is UTF-8",
+            ) from None
         raise invalid("body", f"the body is not valid JSON: {exc}") from exc
 
 
