@@ -232,8 +232,12 @@ def worst_stretch(rows: list[dict], window_t: tuple[float, float], sla_ms: float
 
 
 def stretch_line(stretch: dict) -> str:
-    """``Worst stretch: 13-16 s into the run: 55 of the window's 58 failures, per-second p99 up to 780 ms``."""
-    return (
-        f"Worst stretch: {stretch['from_s']:g}-{stretch['to_s']:g} s into the run: {stretch['failures']} of the "
-        f"window's {stretch['window_failures']} failures, per-second p99 up to {stretch['max_p99_ms']:.0f} ms"
-    )
+    """``Worst stretch: 13-16 s into the run: 55 of the window's 58 failures, per-second p99 up to 780 ms``.
+
+    A window without failures: ``Worst stretch: 58-59 s into the run: per-second p99 up to 277 ms, no failures``.
+    """
+    seconds = f"Worst stretch: {stretch['from_s']:g}-{stretch['to_s']:g} s into the run: "
+    p99 = f"per-second p99 up to {stretch['max_p99_ms']:.0f} ms"
+    if not stretch["window_failures"]:
+        return f"{seconds}{p99}, no failures"
+    return f"{seconds}{stretch['failures']} of the window's {stretch['window_failures']} failures, {p99}"
