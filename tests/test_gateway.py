@@ -136,6 +136,8 @@ LONG = "word " * 400  # 402 tokens with [CLS] and [SEP]; the limit is 256
         ("/v1/embeddings", {"input": "a", "dimensions": 0}, "dimensions", ["from 1", "0"]),
         ("/v1/embeddings", b'{"input": ["a",', "body", ["not valid JSON"]),
         ("/v1/embeddings", b'{"input": ["ab\xff"]}', "body", ["not valid UTF-8", "byte 0xff at offset 14"]),
+        ("/v1/embeddings", {"input": "a", "latency_budget_ms": -5}, "latency_budget_ms", ["0 to 3600000", "-5"]),
+        ("/embed", {"inputs": ["a"], "latency_budget_ms": "fast"}, "latency_budget_ms", ["0 to 3600000", "'fast'"]),
         ("/embed", {"inputs": ["a"], "normalize": False}, "normalize", ["must be true", "False"]),
         ("/embed", {"inputs": ["a"], "truncate": "yes"}, "truncate", ["true or false", "'yes'"]),
         ("/embed", {"inputs": ["a"], "truncation_direction": "Up"}, "truncation_direction", ["'Up'", "Left"]),
@@ -363,3 +365,14 @@ def test_overload_from_triton_is_503_with_retry_after(tmp_path):
         assert "overloaded" in answer["error"]["message"] and "LATENCY_BUDGET_MS" in answer["error"]["message"]
         status, _, _ = post(f"{base}/v1/embeddings", {"input": ["a"] * 100})  # split lists are never refused
         assert status == 200
+
+
+@pytest.mark.parametrize(("route", "field"), [("/v1/embeddings", "input"), ("/embed", "inputs")])
+def test_a_latency_budget_in_the_body_reaches_the_service(gateway, route, field):
+    """The body's latency_budget_ms is the request parameter: one the encoder's queue overruns is refused, 503."""
+    body = {field: f"too short a budget {route}", "latency_budget_ms": 0.001}
+    status, answer, headers = post(f"{gateway}{route}", body)
+    assert status == 503 and headers.get("Retry-After") == "1", (status, answer)
+    assert "over the 0.001 ms latency budget" in answer["error"]["message"], answer
+    status, _, _ = post(f"{gateway}{route}", {field: f"never refused {route}", "latency_budget_ms": 0})
+    assert status == 200

@@ -73,6 +73,15 @@ MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` the server accepts, ms (python_backends/triton_embed_protocol/overload.py)."""
 
 
+def budget_problem(value: object) -> str | None:
+    """Why ``value`` is not a ``latency_budget_ms`` (a number of ms from 0 to :data:`MAX_BUDGET_MS`); None if it is."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
+        return (
+            f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); got {value!r}"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Settings:
     """Client settings; see :class:`triton_embed.EmbeddingClient` for their meaning.
@@ -128,14 +137,8 @@ class Settings:
                 f"{len(urls)}: {', '.join(urls)}"
             )
         settings = cls(url=",".join(urls), protocol=protocol, urls=urls, **kwargs)
-        budget = settings.latency_budget_ms
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= MAX_BUDGET_MS
-        ):
-            raise ValueError(
-                f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); "
-                f"got {budget!r}"
-            )
+        if settings.latency_budget_ms is not None and (problem := budget_problem(settings.latency_budget_ms)):
+            raise ValueError(problem)
         if not isinstance(settings.binary, bool):
             raise ValueError(f"binary must be True or False; got {settings.binary!r}")
         headers = settings.headers

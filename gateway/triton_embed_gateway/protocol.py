@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from triton_embed import core
+from triton_embed.settings import budget_problem
 
 Vectors = npt.NDArray[np.float32]
 """Embeddings, float32 ``(n, dim)``, rows of unit length."""
@@ -70,7 +71,8 @@ class EmbedRequest:
     sentence-transformers cuts it), ``START`` (loses its start) or ``NONE`` (refused); ``prompt_name``: one of the
     model's prompts, None for its default; ``prompt_field``: the API field that named it, for errors;
     ``dimensions``: keep the first ``d`` components, renormalised, None for all; ``encoding_format``: ``float`` or
-    ``base64`` (OpenAI route).
+    ``base64`` (OpenAI route); ``latency_budget_ms``: the request parameter the service refuses a request by once it
+    has waited that long in the encoder's queue (0 = never refused), None for the service's own.
     """
 
     texts: list[str]
@@ -79,6 +81,7 @@ class EmbedRequest:
     prompt_field: str = "input_type"
     dimensions: int | None = None
     encoding_format: str = "float"
+    latency_budget_ms: float | None = None
 
 
 def _texts(value: Any, field: str, max_inputs: int) -> list[str]:
@@ -115,6 +118,14 @@ def _dimensions(body: dict[str, Any]) -> int | None:
     return value
 
 
+def _budget(body: dict[str, Any]) -> float | None:
+    """``latency_budget_ms``: a number of ms from 0 to an hour, as the service's request parameter; None if absent."""
+    value = body.get("latency_budget_ms")
+    if value is not None and (problem := budget_problem(value)):
+        raise invalid("latency_budget_ms", f"'latency_budget_ms'{problem.removeprefix('latency_budget_ms')}")
+    return value
+
+
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("body", f"the body must be a JSON object; got {type(body).__name__}")
@@ -126,7 +137,8 @@ def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequ
 
     Fields: ``input`` (str or list of str), ``model`` (any string; the served model answers), ``encoding_format``
     (``float`` | ``base64``), ``dimensions``, ``user`` (ignored), and as NVIDIA's NIM: ``input_type`` (a prompt name
-    of the model, e.g. ``query`` or ``passage``) and ``truncate`` (``END``, the default, ``START`` or ``NONE``).
+    of the model, e.g. ``query`` or ``passage``) and ``truncate`` (``END``, the default, ``START`` or ``NONE``); and
+    ``latency_budget_ms``, the service's request parameter.
 
     Raises:
         ApiError: 400 naming the field, the limit and the value.
@@ -150,6 +162,7 @@ def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequ
         prompt_field="input_type",
         dimensions=_dimensions(body),
         encoding_format=encoding,
+        latency_budget_ms=_budget(body),
     )
 
 
@@ -157,7 +170,7 @@ def tei_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest
     """Read a text-embeddings-inference ``/embed`` request.
 
     Fields: ``inputs``, ``normalize`` (true only), ``truncate`` (bool, default true), ``truncation_direction``
-    (``Right``, the default, or ``Left``), ``prompt_name``, ``dimensions``.
+    (``Right``, the default, or ``Left``), ``prompt_name``, ``dimensions``, ``latency_budget_ms``.
 
     Raises:
         ApiError: 400 naming the field, the limit and the value.
@@ -181,6 +194,7 @@ def tei_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest
         prompt_name=_optional_str(body, "prompt_name"),
         prompt_field="prompt_name",
         dimensions=_dimensions(body),
+        latency_budget_ms=_budget(body),
     )
 
 

@@ -150,7 +150,8 @@ class TritonEmbedder:
             inputs.append(_bytes_input(PROMPT_NAME, [request.prompt_name] * len(texts)))
         outputs = [grpcclient.InferRequestedOutput(EMBEDDING), grpcclient.InferRequestedOutput(TOKEN_COUNT)]
         # one refused chunk would fail the whole call: the chunks of a split list are never refused
-        parameters = {"latency_budget_ms": 0} if bulk else None
+        budget = 0 if bulk else request.latency_budget_ms
+        parameters = None if budget is None else {"latency_budget_ms": budget}
         errors = functools.partial(api_error, offset=offset, field=field, prompt_field=request.prompt_field)
         try:
             result = await self._client.infer(
