@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(perf_analyzer_data(texts)))
     print(f"{args.out}: {len(texts)} texts no earlier file held, TEXT only")
     print(
-        f"perf_analyzer -m embed -i grpc -u 127.0.0.1:8001 --input-data {args.out} --concurrency-range 16  "
-        "# one level per file: perf_analyzer starts each level from the first text"
+        f"perf_analyzer -m embed -i grpc -u 127.0.0.1:8001 --input-data {args.out} --concurrency-range C "
+        "--stability-percentage 25   # one level C per file: perf_analyzer starts each level from the first text"
     )
     return 0
 
