@@ -244,17 +244,25 @@ class InFlight:
         """Count for the server that runs this stub and the repository holding ``model_directory``."""
         repository = Path(model_directory).resolve().parent
         key = hashlib.sha256(str(repository).encode()).hexdigest()[:12]
-        shm = Path("/dev/shm")  # noqa: S108 - opened O_NOFOLLOW, mode 0600
-        self.folder = shm if shm.is_dir() else Path(tempfile.gettempdir())
-        self.path = self.folder / f"triton-embed-{os.getppid()}-{key}.in-flight"
+        self.path = self.folder() / f"triton-embed-{os.getppid()}-{key}.in-flight"
 
     @staticmethod
-    def remove_files(server_pid: int) -> None:
+    def folder() -> Path:
+        """Where the files live: ``/dev/shm``, or the temp folder on a host without one."""
+        shm = Path("/dev/shm")  # noqa: S108 - opened O_NOFOLLOW, mode 0600
+        return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+    @classmethod
+    def files(cls, server_pid: int | str = "*") -> list[Path]:
+        """The files of the server with process id ``server_pid`` (``"*"``: of every server)."""
+        return list(cls.folder().glob(f"triton-embed-{server_pid}-*.in-flight"))
+
+    @classmethod
+    def remove_files(cls, server_pid: int) -> None:
         """Delete the files of the server with process id ``server_pid``, once it has exited (a clean stop)."""
-        for folder in {Path("/dev/shm"), Path(tempfile.gettempdir())}:  # noqa: S108 - see __init__
-            for path in folder.glob(f"triton-embed-{server_pid}-*.in-flight"):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+        for path in cls.files(server_pid):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     def _update(self, change: Callable[[list[int], int], None]) -> list[int]:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -328,7 +336,7 @@ class InFlight:
                     fields[k] = value
 
         self._update(change)
-        for stale in self.folder.glob("triton-embed-*-*.in-flight"):
+        for stale in self.files():
             pid = stale.name.split("-")[2]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 with contextlib.suppress(FileNotFoundError):
