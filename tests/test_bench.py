@@ -69,10 +69,7 @@ def test_perf_data_holds_distinct_texts_the_ensemble_serves(tmp_path, server):
     corpus = tmp_path / "queries.txt"
     corpus.write_text("How do I reset my password?\n\nWhere is my order?\nCancel my plan.\n", encoding="utf-8")
     out = tmp_path / "perf.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.perf_data", "--corpus", str(corpus), "--count", "7", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    run = perf_data("--corpus", str(corpus), "--count", "7", "--out", str(out))
     assert run.returncode == 0, run.stderr
     assert f"--input-data {out}" in run.stdout  # the perf_analyzer command line to run next
     entries = json.loads(out.read_text())["data"]
@@ -84,18 +81,18 @@ def test_perf_data_holds_distinct_texts_the_ensemble_serves(tmp_path, server):
     assert all(v.shape == (1, 384) for v in vectors)
     assert read_cache_hits(server.grpc_url) == cache_hits_before  # every request computed, none from the cache
 
-    again = subprocess.run(
-        [sys.executable, "-m", "bench.perf_data", "--corpus", str(corpus), "--count", "7", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    again = perf_data("--corpus", str(corpus), "--count", "7", "--out", str(out))
     assert again.returncode == 0, again.stderr
     assert not {e["TEXT"]["content"][0] for e in json.loads(out.read_text())["data"]} & set(texts)  # one file per level
 
-    missing = subprocess.run(
-        [sys.executable, "-m", "bench.perf_data", "--corpus", str(tmp_path / "nope.txt"), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    missing = perf_data("--corpus", str(tmp_path / "nope.txt"), "--out", str(out))
     assert missing.returncode == 2 and "nope.txt not found" in missing.stderr
+
+
+def perf_data(*args: str) -> subprocess.CompletedProcess:
+    """``python -m bench.perf_data ARGS`` as a user runs it, from the checkout."""
+    command = [sys.executable, "-m", "bench.perf_data", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)  # noqa: S603
 
 
 def read_cache_hits(grpc_url: str) -> int:

@@ -73,12 +73,13 @@ MAX_BUDGET_MS = 3_600_000.0
 """The longest ``latency_budget_ms`` the server accepts, ms (python_backends/triton_embed_protocol/overload.py)."""
 
 
-def budget_problem(value: object) -> str | None:
-    """Why ``value`` is not a ``latency_budget_ms`` (a number of ms from 0 to :data:`MAX_BUDGET_MS`); None if it is."""
+def budget_problem(value: object, name: str = "latency_budget_ms") -> str | None:
+    """Why ``value`` is not a ``latency_budget_ms`` (a number of ms from 0 to :data:`MAX_BUDGET_MS`); None if it is.
+
+    ``name``: how the message names the field.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
-        return (
-            f"latency_budget_ms must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); got {value!r}"
-        )
+        return f"{name} must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); got {value!r}"
     return None
 
 

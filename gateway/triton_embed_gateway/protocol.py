@@ -121,8 +121,8 @@ def _dimensions(body: dict[str, Any]) -> int | None:
 def _budget(body: dict[str, Any]) -> float | None:
     """``latency_budget_ms``: a number of ms from 0 to an hour, as the service's request parameter; None if absent."""
     value = body.get("latency_budget_ms")
-    if value is not None and (problem := budget_problem(value)):
-        raise invalid("latency_budget_ms", f"'latency_budget_ms'{problem.removeprefix('latency_budget_ms')}")
+    if value is not None and (problem := budget_problem(value, "'latency_budget_ms'")):
+        raise invalid("latency_budget_ms", problem)
     return value
 
 
