@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from triton_embed_protocol import budget_problem
+
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 URL_ENV = "TRITON_EMBED_URL"
 PROTOCOL_ENV = "TRITON_EMBED_PROTOCOL"
@@ -67,20 +69,6 @@ def urls_protocol(urls: Sequence[str]) -> str | None:
     if len(schemes) > 1:
         raise ValueError(f"the urls' schemes differ; one client speaks one protocol: {', '.join(urls)}")
     return schemes.pop() if schemes else None
-
-
-MAX_BUDGET_MS = 3_600_000.0
-"""The longest ``latency_budget_ms`` the server accepts, ms (python_backends/triton_embed_protocol/overload.py)."""
-
-
-def budget_problem(value: object, name: str = "latency_budget_ms") -> str | None:
-    """Why ``value`` is not a ``latency_budget_ms`` (a number of ms from 0 to :data:`MAX_BUDGET_MS`); None if it is.
-
-    ``name``: how the message names the field.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
-        return f"{name} must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); got {value!r}"
-    return None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ reading in :mod:`triton_embed.request_builder`; counters in :mod:`triton_embed.c
 model-config reading and the shared memory fallback warning in :mod:`triton_embed.core`.
 """
 
+from triton_embed_protocol import MAX_BUDGET_MS
+
 from triton_embed.client_stats import ClientStats, Counters
 from triton_embed.core import (
     DEFAULT_BACKOFF_S,
@@ -18,7 +20,6 @@ from triton_embed.core import (
 from triton_embed.request_builder import INPUT, OUTPUT, RequestBuilder, serialized_bytes, text_tensor
 from triton_embed.settings import (
     DEFAULT_URLS,
-    MAX_BUDGET_MS,
     PROTOCOL_ENV,
     URL_ENV,
     Settings,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from triton_embed import core
-from triton_embed.settings import budget_problem
+from triton_embed_protocol import budget_problem
 
 Vectors = npt.NDArray[np.float32]
 """Embeddings, float32 ``(n, dim)``, rows of unit length."""

@@ -7,6 +7,7 @@ import it as ``triton_embed_protocol`` without editing ``sys.path``.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 TEXT = "TEXT"
 """The ensemble's and the tokenizer's input: UTF-8 texts, BYTES ``[n_texts, 1]``."""
@@ -29,11 +30,27 @@ QUEUED = "queued_ns"
 the request on to the encoder's queue (one clock for every process on the host)."""
 
 
+MAX_BUDGET_MS = 3_600_000.0
+"""The longest request parameter ``latency_budget_ms`` the server accepts, ms (an hour; 0 is "never refuse" for
+longer jobs)."""
+
+
+def budget_problem(value: object, name: str = "latency_budget_ms") -> str | None:
+    """Why ``value`` is not a ``latency_budget_ms`` (a number of ms from 0 to :data:`MAX_BUDGET_MS`); None if it is.
+
+    The one statement of the rule: the encoder and tokenizer refuse such a request parameter with this message, the
+    client and the gateway check it before sending. ``name``: how the message names the field.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
+        return f"{name} must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} (0 = never refused); got {value!r}"
+    return None
+
+
 class RequestError(ValueError):
     """A problem with one request; becomes that request's INVALID_ARG response, naming the field, limit and value."""
 
 
-def request_parameters(parameters: str | None) -> dict:
+def request_parameters(parameters: str | None) -> dict[str, Any]:
     """A request's parameters (JSON text from ``request.parameters()``) as a dict; {} when absent or unreadable."""
     try:
         value = json.loads(parameters or "{}")
@@ -42,12 +59,14 @@ def request_parameters(parameters: str | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def config_parameters(model_config: dict) -> dict[str, str]:
+def config_parameters(model_config: dict[str, Any]) -> dict[str, str]:
     """A model config's ``parameters`` as ``{key: string_value}``."""
     return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
 
 
-def config_number(parameters: dict[str, str], key: str, default: str, *, minimum: float = 0, integer: bool = False):
+def config_number(
+    parameters: dict[str, str], key: str, default: str, *, minimum: float = 0, integer: bool = False
+) -> int | float:
     """Config parameter ``key`` as a number >= ``minimum`` (an int with ``integer``), ``default`` when absent.
 
     Raises:

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-MAX_BUDGET_MS = 3_600_000.0
-"""The longest ``latency_budget_ms`` a request may carry, ms (an hour; 0 is "never refuse" for longer jobs)."""
+from triton_embed_protocol import budget_problem
+
 METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
 METRIC_HELP = (
@@ -43,7 +43,7 @@ METRIC_HELP = (
 
 
 class BudgetError(ValueError):
-    """The request parameter ``latency_budget_ms`` is not a number of ms from 0 to :data:`MAX_BUDGET_MS`."""
+    """The request parameter ``latency_budget_ms`` breaks :func:`triton_embed_protocol.budget_problem`'s rule."""
 
 
 def request_budget_ms(parameters: dict, default_ms: float) -> float:
@@ -57,17 +57,14 @@ def request_budget_ms(parameters: dict, default_ms: float) -> float:
         the budget, ms (0 = never refuse this request).
 
     Raises:
-        BudgetError: the parameter is present but not a number from 0 to :data:`MAX_BUDGET_MS`; the message names
-            the field, the limits and the value.
+        BudgetError: the parameter is present but not a number of ms from 0 to an hour; the message names the
+            field, the limits and the value.
     """
     value = parameters.get("latency_budget_ms")
     if value is None:
         return default_ms
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_MS:
-        raise BudgetError(
-            f"request parameter 'latency_budget_ms' must be a number of ms from 0 to {MAX_BUDGET_MS:.0f} "
-            f"(0 = never refused); got {value!r}"
-        )
+    if problem := budget_problem(value, "request parameter 'latency_budget_ms'"):
+        raise BudgetError(problem)
     return float(value)
 
 
@@ -75,11 +72,13 @@ def refusal_message(waited_ms: float, budget_ms: float) -> str:
     """The UNAVAILABLE message of a refused request: its wait, the budget and the knobs.
 
     Args:
-        waited_ms: the request's wait in the encoder's queue, ms.
+        waited_ms: the request's wait in the encoder's queue, ms; written with as few decimals (up to 3) as show it
+            over the budget (181 ms over 180, 180.4 over 180, 0.004 over 0.001).
         budget_ms: the request's latency budget, ms.
     """
+    digits = next((d for d in range(3) if round(waited_ms, d) > budget_ms), 3)
     return (
-        f"overloaded: the request waited {waited_ms:.0f} ms in the encoder's queue, over the {budget_ms:g} ms "
+        f"overloaded: the request waited {waited_ms:.{digits}f} ms in the encoder's queue, over the {budget_ms:g} ms "
         "latency budget (LATENCY_BUDGET_MS in the encoder's config; the request parameter latency_budget_ms "
         "overrides it, 0 = never refused). Retry with backoff"
     )

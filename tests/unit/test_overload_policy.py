@@ -42,6 +42,11 @@ def test_only_requests_that_waited_past_their_budget_are_refused():
     assert "latency_budget_ms" in refused[0]
 
 
+@pytest.mark.parametrize(("waited", "budget", "written"), [(180.4, 180.0, "180.4"), (0.0042, 0.001, "0.004")])
+def test_the_refusal_shows_the_wait_over_the_budget_however_close(waited, budget, written):
+    assert f"waited {written} ms in the encoder's queue, over the {budget:g} ms" in shed([waited], [budget])[0]
+
+
 def test_a_request_is_never_refused_for_its_own_size_or_on_a_prediction():
     # The refusal depends on the wait alone: a request that has not waited runs, whatever the batch will cost.
     assert shed([1.0, 179.0], [180.0, 180.0]) == {}
