@@ -111,10 +111,11 @@ def table(rows: list[StepStats]) -> str:
     """A fixed-width text table, one row per step.
 
     ``successes`` is :attr:`StepStats.requests` (cache hits included); ``failures`` is Triton's count, which on 2.51
-    counts each failed request of the ``embed`` ensemble twice.
+    counts each failed request of the ``embed`` ensemble twice; ``texts run`` is :attr:`StepStats.inferences`, so a
+    request answered from the response cache adds to ``successes`` and ``cache hits`` but not to ``texts run``.
     """
     head = (
-        f"{'model':<10} {'successes':>9} {'failures':>9} {'texts':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
+        f"{'model':<10} {'successes':>9} {'failures':>9} {'texts run':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
         f"{'input ms':>9} {'infer ms':>9} {'output ms':>10} {'cache hits':>10}"
     )
     lines = [head, "-" * len(head)]
