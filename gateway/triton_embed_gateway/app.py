@@ -84,10 +84,10 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(content, status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(error: ApiError) -> Response:
-    """``error`` in OpenAI's shape, with ``Retry-After`` on a 503."""
+def error_response(error: ApiError, *, tei: bool = False) -> Response:
+    """``error`` in OpenAI's shape (``tei``: text-embeddings-inference's), with ``Retry-After`` on a 503."""
     headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
-    return json_response(error.body(), error.status, headers)
+    return json_response(error.tei_body() if tei else error.body(), error.status, headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -134,7 +134,7 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
 
     def route(
-        name: str, handler: Callable[[Request], Awaitable[Response]], *, needs_key: bool = False
+        name: str, handler: Callable[[Request], Awaitable[Response]], *, needs_key: bool = False, tei: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             started = time.perf_counter()
@@ -147,7 +147,7 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
                     )  # fmt: skip
                 response = await handler(request)
             except ApiError as error:
-                response = error_response(error)
+                response = error_response(error, tei=tei)
             response.headers["X-Request-Id"] = request_id
             took = time.perf_counter() - started
             labels = {"route": name, "code": str(response.status_code)}
@@ -197,7 +197,7 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
 
     routes = [
         Route("/v1/embeddings", route("/v1/embeddings", openai_embeddings, needs_key=True), methods=["POST"]),
-        Route("/embed", route("/embed", tei_embed, needs_key=True), methods=["POST"]),
+        Route("/embed", route("/embed", tei_embed, needs_key=True, tei=True), methods=["POST"]),
         Route("/v1/models", route("/v1/models", models), methods=["GET"]),
         Route("/health", route("/health", health), methods=["GET"]),
         Route("/ready", route("/ready", ready), methods=["GET"]),

@@ -54,6 +54,20 @@ class ApiError(Exception):
         """The response body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def tei_body(self) -> dict[str, str]:
+        """The body in text-embeddings-inference's shape, ``{"error": message, "error_type": ...}``, for ``/embed``.
+
+        ``error_type``: ``validation`` for a client's fault (4xx), ``overloaded`` for a refusal, ``unhealthy`` for
+        another 503 (draining, not ready, unreachable), ``backend`` for the rest.
+        """
+        if self.status < 500:
+            kind = "validation"
+        elif self.status == 503:
+            kind = "overloaded" if "overloaded" in self.message else "unhealthy"
+        else:
+            kind = "backend"
+        return {"error": self.message, "error_type": kind}
+
 
 def invalid(param: str, message: str) -> ApiError:
     """A 400 naming ``param``."""
