@@ -46,6 +46,7 @@ import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from runners import BucketedRunner, load_module
 from triton_embed_protocol import (
+    BUDGET,
     QUEUED,
     TOKENS,
     RequestError,
@@ -230,11 +231,14 @@ class TritonPythonModel:
         stamps: list[int | None] = []
         waited: list[float | None] = []
         budgets: list[float] = []
+        own: list[bool] = []
         for i, request in enumerate(requests):  # validate
             stamps.append(queued_stamp(request))
             waited.append(None if stamps[i] is None else (now_ns - stamps[i]) / 1e6)
+            parameters = request_parameters(request.parameters())
+            own.append(BUDGET in parameters)
             try:
-                budgets.append(request_budget_ms(request_parameters(request.parameters()), self.latency_budget_ms))
+                budgets.append(request_budget_ms(parameters, self.latency_budget_ms))
                 pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
             except (RequestError, BudgetError) as exc:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -242,7 +246,7 @@ class TritonPythonModel:
                 pieces.append(None)
         self._owed = sum(stamp is not None for stamp in stamps)  # direct callers were never counted in
         live = [i for i, piece in enumerate(pieces) if piece is not None]
-        refused = shed([waited[i] for i in live], [budgets[i] for i in live])  # the wait rule
+        refused = shed([waited[i] for i in live], [budgets[i] for i in live], [own[i] for i in live])  # the wait rule
         if refused:  # out of flight before a refusal falls due: its client may send again at once
             self.in_flight.answered(len(refused), idle=False)
             self._owed -= len(refused)

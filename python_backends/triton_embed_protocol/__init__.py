@@ -30,6 +30,9 @@ QUEUED = "queued_ns"
 the request on to the encoder's queue (one clock for every process on the host)."""
 
 
+BUDGET = "latency_budget_ms"
+"""The request parameter that sets a request's latency budget, ms (docs/overload.md)."""
+
 MAX_BUDGET_MS = 3_600_000.0
 """The longest request parameter ``latency_budget_ms`` the server accepts, ms (an hour; 0 is "never refuse" for
 longer jobs)."""

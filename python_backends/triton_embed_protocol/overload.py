@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from triton_embed_protocol import budget_problem
+from triton_embed_protocol import BUDGET, budget_problem
 
 METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
@@ -60,7 +60,7 @@ def request_budget_ms(parameters: dict, default_ms: float) -> float:
         BudgetError: the parameter is present but not a number of ms from 0 to an hour; the message names the
             field, the limits and the value.
     """
-    value = parameters.get("latency_budget_ms")
+    value = parameters.get(BUDGET)
     if value is None:
         return default_ms
     if problem := budget_problem(value, "request parameter 'latency_budget_ms'"):
@@ -68,23 +68,29 @@ def request_budget_ms(parameters: dict, default_ms: float) -> float:
     return float(value)
 
 
-def refusal_message(waited_ms: float, budget_ms: float) -> str:
-    """The UNAVAILABLE message of a refused request: its wait, the budget and the knobs.
+def refusal_message(waited_ms: float, budget_ms: float, *, own: bool = False) -> str:
+    """The UNAVAILABLE message of a refused request: its wait, the budget and where the budget is set.
 
     Args:
         waited_ms: the request's wait in the encoder's queue, ms; written with as few decimals (up to 3) as show it
             over the budget (181 ms over 180, 180.4 over 180, 0.004 over 0.001).
         budget_ms: the request's latency budget, ms.
+        own: the budget is the request's parameter ``latency_budget_ms``, not the encoder's ``LATENCY_BUDGET_MS``.
     """
     digits = next((d for d in range(3) if round(waited_ms, d) > budget_ms), 3)
+    source = (
+        "the request's parameter latency_budget_ms; 0 = never refused"
+        if own
+        else "LATENCY_BUDGET_MS in the encoder's config; the request parameter latency_budget_ms overrides it, "
+        "0 = never refused"
+    )
     return (
         f"overloaded: the request waited {waited_ms:.{digits}f} ms in the encoder's queue, over the {budget_ms:g} ms "
-        "latency budget (LATENCY_BUDGET_MS in the encoder's config; the request parameter latency_budget_ms "
-        "overrides it, 0 = never refused). Retry with backoff"
+        f"latency budget ({source}). Retry with backoff"
     )
 
 
-def shed(waited_ms: list[float | None], budgets_ms: list[float]) -> dict[int, str]:
+def shed(waited_ms: list[float | None], budgets_ms: list[float], own: list[bool] | None = None) -> dict[int, str]:
     """The requests of one execution to refuse, each with its message; the others run as one batch.
 
     A request is refused when it has waited longer than its budget in the encoder's queue: it has already missed,
@@ -94,13 +100,15 @@ def shed(waited_ms: list[float | None], budgets_ms: list[float]) -> dict[int, st
         waited_ms: per request, ms since it entered the encoder's queue; None (a direct caller, no stamp) is never
             refused.
         budgets_ms: per request, its latency budget, ms; 0 = never refused.
+        own: per request, whether its budget is its own parameter (the message names it); None: none is.
 
     Returns:
         ``{request index: UNAVAILABLE message}``.
     """
+    owns = own if own is not None else [False] * len(budgets_ms)
     return {
-        i: refusal_message(waited, budget)
-        for i, (waited, budget) in enumerate(zip(waited_ms, budgets_ms, strict=True))
+        i: refusal_message(waited, budget, own=mine)
+        for i, (waited, budget, mine) in enumerate(zip(waited_ms, budgets_ms, owns, strict=True))
         if waited is not None and budget > 0 and waited > budget
     }
 

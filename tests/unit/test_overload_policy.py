@@ -42,6 +42,12 @@ def test_only_requests_that_waited_past_their_budget_are_refused():
     assert "latency_budget_ms" in refused[0]
 
 
+def test_a_refusal_names_where_its_budget_was_set():
+    refused = shed([200.0, 200.0], [150.0, 150.0], own=[True, False])
+    assert "150 ms latency budget (the request's parameter latency_budget_ms; 0 = never refused)" in refused[0]
+    assert "LATENCY_BUDGET_MS" not in refused[0] and "(LATENCY_BUDGET_MS in the encoder's config" in refused[1]
+
+
 @pytest.mark.parametrize(("waited", "budget", "written"), [(180.4, 180.0, "180.4"), (0.0042, 0.001, "0.004")])
 def test_the_refusal_shows_the_wait_over_the_budget_however_close(waited, budget, written):
     assert f"waited {written} ms in the encoder's queue, over the {budget:g} ms" in shed([waited], [budget])[0]
