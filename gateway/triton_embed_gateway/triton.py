@@ -27,6 +27,7 @@ TOKENIZER, TOKENIZER_COUNT = "tokenizer", "token_count"  # the ensemble's first 
 RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
 _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
+_ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, on an error from a step: not the caller's concern
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def api_error(
     ``offset``: index of the request's first text in the caller's list, so Triton's ``input 'TEXT' row 3`` of the
     third chunk of 64 becomes ``'input[131]'``; an unknown prompt name is named as ``prompt_field``.
     """
-    status, message = _status(exc), exc.message() or str(exc)
+    status, message = _status(exc), _ENSEMBLE_PREFIX.sub("", exc.message() or str(exc))
     if "INVALID_ARGUMENT" in status:
         row = _ROW.search(message)
         param = f"{field}[{int(row.group(1)) + offset}]" if row else field
