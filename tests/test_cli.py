@@ -152,6 +152,8 @@ def test_stats_table_has_every_step(server):
     lines = done.stdout.splitlines()
     assert lines[0].split()[:3] == ["model", "successes", "failures"] and "queue" in lines[0] and "infer" in lines[0]
     assert "texts run" in lines[0] and lines[0].endswith("cache hits")  # a cache hit is a success, not a text run
+    legend = run_cli("stats", "--help").stdout
+    assert "texts run    texts the step computed (a cache hit is not run)" in legend, legend
     rows = {line.split()[0]: line.split() for line in lines[2:]}
     assert set(rows) == {"embed", "tokenizer", "encoder"}
     assert all(int(row[1]) > 0 for row in rows.values())  # every step has served requests

@@ -85,7 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("a")
     sim.add_argument("b")
     sub.add_parser("health", parents=[common], help="server liveness/readiness and the model's readiness")
-    sub.add_parser("stats", parents=[common], help="per-step counters and queue/compute times since start")
+    sub.add_parser(
+        "stats", parents=[common], help="per-step counters and queue/compute times since start",
+        epilog=server_stats.LEGEND, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     sub.add_parser(
         "gateway", add_help=False, help="serve the OpenAI/TEI embeddings HTTP API in front of Triton (gateway --help)"
     )

@@ -107,6 +107,19 @@ def merge(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+LEGEND = """\
+one row per step (embed: the whole ensemble), counted since the server started:
+  successes    requests answered, response-cache hits included; a request a backend refuses or rejects counts as
+               a success of its step and a failure of embed
+  failures     failed requests (Triton 2.51 counts each failed embed request twice)
+  texts run    texts the step computed (a cache hit is not run)
+  execs        executions; batch = texts run / execs
+  queue ms, input ms, infer ms, output ms
+               mean per request, milliseconds
+  cache hits   requests answered from the response cache"""
+"""What :func:`table`'s columns mean (``triton-embed stats --help``)."""
+
+
 def table(rows: list[StepStats]) -> str:
     """A fixed-width text table, one row per step.
 
