@@ -127,6 +127,55 @@ class ByteCountingProxy:
         self._server.close()
 
 
+class ClosingProxy:
+    """A loopback HTTP relay to ``127.0.0.1:target_port`` that closes each client connection right after the first
+    answer it relays, without ``Connection: close``: a server or proxy closing a kept-alive connection (its idle
+    timeout, an nginx reload) just as the client sends its next request on it. ``connections``: those accepted."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+
+        self.target_port, self.connections = target_port, 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self._server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._relay_one_answer, args=(downstream,), daemon=True).start()
+
+    def _relay_one_answer(self, downstream) -> None:
+        import socket
+
+        with downstream, socket.create_connection(("127.0.0.1", self.target_port)) as upstream:
+            threading.Thread(target=self._forward, args=(downstream, upstream), daemon=True).start()
+            answer = b""
+            while (head := answer.find(b"\r\n\r\n")) < 0 or len(answer) < head + 4 + _content_length(answer[:head]):
+                if not (chunk := upstream.recv(65536)):
+                    return
+                answer += chunk
+            downstream.sendall(answer)
+
+    @staticmethod
+    def _forward(src, dst) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _content_length(head: bytes) -> int:
+    match = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    return int(match.group(1)) if match else 0
+
+
 def post_status(url: str, headers: dict | None = None) -> int:
     """HTTP status of an empty-JSON POST to ``url`` (e.g. an admin API: 403 without its header, 200 with it)."""
     request = urllib.request.Request(url, data=b"{}", method="POST", headers=headers or {})

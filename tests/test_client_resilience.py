@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from conftest import reference_embed
+from helpers import ClosingProxy
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient, EmbeddingError, ServerUnavailableError
 from triton_embed.errors import EmbeddingTimeoutError, InvalidInputError, from_triton
 from triton_embed.shm import unregister_when_released
@@ -116,6 +118,32 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server, way):
         assert name not in server_regions(server.grpc_url, server.admin_headers("grpc"))
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_call_whose_kept_alive_connection_closes_under_it_is_sent_again_on_a_new_one(server, reference, kind):
+    """HTTP through a relay that closes each connection after one answer, as a server's idle timeout or an nginx
+    reload does while the client reuses it: with ``retries=0`` every call is answered with the right vectors, no retry
+    or error is counted, and each answer came on a connection of its own."""
+    proxy = ClosingProxy(int(server.http_url.rsplit(":", 1)[1]))
+    texts = [[f"{kind} call {i} through a closing relay {time.time_ns()}"] for i in range(4)]
+    try:
+        if kind == "asyncio":
+
+            async def calls() -> tuple[list[np.ndarray], AsyncEmbeddingClient]:
+                async with AsyncEmbeddingClient(url=f"127.0.0.1:{proxy.port}", protocol="http", retries=0) as client:
+                    return [await client.embed(t) for t in texts], client
+
+            got, client = asyncio.run(calls())
+        else:
+            with EmbeddingClient(url=f"127.0.0.1:{proxy.port}", protocol="http", retries=0) as client:
+                got = [client.embed(t) for t in texts]
+    finally:
+        proxy.close()
+    for t, vectors in zip(texts, got, strict=True):
+        np.testing.assert_allclose(vectors, reference_embed(reference, t), atol=1e-5)
+    assert (client.stats().retries, client.stats().errors) == (0, 0), client.stats()
+    assert proxy.connections >= 1 + len(texts), f"{proxy.connections} connections for the config and {len(texts)} calls"
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http", "aio-grpc", "aio-http"])

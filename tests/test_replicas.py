@@ -252,7 +252,8 @@ def test_a_rolling_restart_loses_no_call(cluster, ingress):
     """Each replica in turn, as a Deployment's rollout: out of nginx's upstream (an ingress controller following the
     endpoints; the pod's preStop gives it the time), SIGTERM (serve drains: new calls are refused as draining, those
     in flight finish; then tritonserver stops), started again, ready, back in. No call fails: the client moves off a
-    draining replica and retries elsewhere; nginx no longer sends to it."""
+    draining replica and retries elsewhere; nginx no longer sends to it. A reload closes the old workers' idle client
+    connections: an HTTP call sent on one as it closes is sent again on a new connection, with no retries too."""
     running = [client_loop(cluster, "grpc")]
     if ingress is not None:
         running += [nginx_loop(ingress, "grpc"), nginx_loop(ingress, "http")]

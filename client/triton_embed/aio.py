@@ -26,11 +26,18 @@ from triton_embed.core import (
     max_batch_and_dim,
     shorten,
 )
-from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
+from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, connection_cut, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
 
 T = TypeVar("T")
+
+
+def _closed_by_server() -> tuple[type[BaseException], ...]:
+    """The error aiohttp (tritonclient's HTTP library) raises for a connection closed before any answer."""
+    from aiohttp import ServerDisconnectedError  # noqa: PLC0415 - loaded only when HTTP is used
+
+    return (ServerDisconnectedError,)
 
 
 class AsyncEmbeddingClient(ClientCore):
@@ -99,17 +106,25 @@ class AsyncEmbeddingClient(ClientCore):
         return step.value
 
     async def _perform(self, call: Call) -> Any:
-        """Await the tritonclient method on the call's endpoint, within ``call.wait_s`` if any; map errors to ours."""
+        """Await the tritonclient method on the call's endpoint, within ``call.wait_s`` if any; map errors to ours.
+
+        A resendable call whose kept-alive HTTP connection closed under it is sent once more: aiohttp takes another
+        connection (it resends only GET, HEAD and the like itself).
+        """
         endpoint = call.endpoint or self.urls[0]
         await self._close_departed()
         self._in_flight[endpoint] += 1
         try:
-            pending = getattr(self._conn(endpoint), call.method)(*call.args, **call.kwargs)
-            return await (pending if call.wait_s is None else asyncio.wait_for(pending, call.wait_s))
-        except EmbeddingError:
-            raise
-        except Exception as exc:  # asyncio's TimeoutError from wait_for included
-            raise from_triton(exc, model=self.model, url=endpoint) from exc
+            for resend in (call.resendable and self.settings.protocol == "http", False):
+                try:
+                    pending = getattr(self._conn(endpoint), call.method)(*call.args, **call.kwargs)
+                    return await (pending if call.wait_s is None else asyncio.wait_for(pending, call.wait_s))
+                except EmbeddingError:
+                    raise
+                except Exception as exc:  # asyncio's TimeoutError from wait_for included
+                    if not (resend and connection_cut(exc, _closed_by_server())):
+                        raise from_triton(exc, model=self.model, url=endpoint) from exc
+            raise AssertionError("unreachable")
         finally:
             self._in_flight[endpoint] -= 1
 

@@ -27,7 +27,7 @@ from triton_embed.core import (
     max_batch_and_dim,
     shorten,
 )
-from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, from_triton
+from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, connection_cut, from_triton
 from triton_embed.inputs import Embeddings, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
 from triton_embed.settings import normalise_url
@@ -35,6 +35,13 @@ from triton_embed.settings import normalise_url
 __all__ = ["EmbeddingClient", "Health", "normalise_url"]
 
 T = TypeVar("T")
+
+
+def _closed_by_server() -> tuple[type[BaseException], ...]:
+    """The error geventhttpclient (tritonclient's HTTP library) raises for a connection closed before any answer."""
+    from geventhttpclient.response import HTTPConnectionClosed  # noqa: PLC0415 - loaded only when HTTP is used
+
+    return (HTTPConnectionClosed,)
 
 
 class EmbeddingClient(ClientCore):
@@ -148,14 +155,21 @@ class EmbeddingClient(ClientCore):
         return step.value
 
     def _perform(self, call: Call) -> Any:
-        """Call the tritonclient method on this thread's connection to the call's endpoint; map its errors to ours."""
+        """Call the tritonclient method on this thread's connection to the call's endpoint; map its errors to ours.
+
+        A resendable call whose kept-alive HTTP connection closed under it is sent once more: geventhttpclient then
+        opens a new connection (it resends only GET, HEAD and the like itself).
+        """
         endpoint = call.endpoint or self.urls[0]
-        try:
-            return getattr(self._conn(endpoint), call.method)(*call.args, **call.kwargs)
-        except EmbeddingError:
-            raise
-        except Exception as exc:
-            raise from_triton(exc, model=self.model, url=endpoint) from exc
+        for resend in (call.resendable and self.protocol == "http", False):
+            try:
+                return getattr(self._conn(endpoint), call.method)(*call.args, **call.kwargs)
+            except EmbeddingError:
+                raise
+            except Exception as exc:
+                if not (resend and connection_cut(exc, _closed_by_server())):
+                    raise from_triton(exc, model=self.model, url=endpoint) from exc
+        raise AssertionError("unreachable")
 
     def _model_config(self) -> dict[str, Any]:
         return self._run(self._get_model_config())

@@ -6,7 +6,9 @@ each step's result by ``send()``, or its exception by ``throw()``:
 
 - :class:`Call`: one tritonclient method call on one endpoint, headers and gRPC deadline included; the client
   performs it on its connection to that endpoint and maps a tritonclient error to ours with
-  :func:`triton_embed.errors.from_triton`.
+  :func:`triton_embed.errors.from_triton`. A call whose HTTP connection closed under it before any answer
+  (:func:`triton_embed.errors.connection_cut`) is sent once more, on a new connection, when :attr:`Call.resendable`;
+  ``retries`` does not count it.
 - :class:`Sleep`: wait that long (a backoff, a pause before an unregister is tried again).
 - :class:`Blocking`: a function that may block (closing the shared memory pool waits for in-flight requests, DNS
   resolution); the sync client calls it, the asyncio client runs it in a worker thread.
@@ -63,6 +65,16 @@ class Call:
     kwargs: dict[str, Any] = field(default_factory=dict)
     wait_s: float | None = None
     endpoint: str = ""
+
+    @property
+    def resendable(self) -> bool:
+        """True if the call may be sent again after its connection closed under it (see ``_perform`` of the clients).
+
+        Sending it twice does what sending it once does: an embedding request has no side effect, nor has a read of
+        the config, health or statistics. Registering a shared memory region is the exception: a second registration
+        of the same name is refused.
+        """
+        return self.method != "register_system_shared_memory"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 
 
@@ -71,6 +72,21 @@ def from_triton(exc: Exception, *, model: str, url: str) -> EmbeddingError:
         else:
             cls = ServerError
     return cls(f"model '{model}' at {url}: {message}{_hint(message)}")
+
+
+CUT = (errno.ECONNRESET, errno.EPIPE)
+"""Errors of a socket whose peer closed it under a request: reset by peer, broken pipe."""
+
+
+def connection_cut(exc: BaseException, closed: tuple[type[BaseException], ...]) -> bool:
+    """True if ``exc`` says the connection closed under an HTTP request before any answer came.
+
+    ``closed``: the HTTP library's own "the server closed the connection" errors (geventhttpclient's
+    ``HTTPConnectionClosed``, aiohttp's ``ServerDisconnectedError``); a reset or a broken pipe counts too. A server or
+    proxy closes a kept-alive connection when it has been idle long enough or on a reload (nginx's old workers), and a
+    request sent at that moment meets the close.
+    """
+    return isinstance(exc, closed) or (isinstance(exc, OSError) and exc.errno in CUT)
 
 
 def _hint(message: str) -> str:
