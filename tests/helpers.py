@@ -160,6 +160,9 @@ class ClosingProxy:
                     return
                 answer += chunk
             downstream.sendall(answer)
+            for end in (downstream, upstream):  # shutdown, not close alone: it wakes _forward's recv and sends the FIN
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
 
     @staticmethod
     def _forward(src, dst) -> None:
