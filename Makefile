@@ -27,7 +27,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test unit lint typecheck bench bench-overload perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install model reference-model serve test unit lint typecheck bench bench-encoder bench-overload perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -97,6 +97,10 @@ clean:
 # Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets, the gateway); ~7 min.
 bench: reference-model
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# The exported encoder's variants in process beside sentence-transformers (bench/encoder.py); ~4 min.
+bench-encoder: install
+	$(PY) -m bench.encoder $(BENCH_ARGS)
 
 # Overload figures side by side (docs/overload.md): perf_analyzer sweep with the shipped budget and with budget 0,
 # no-backoff loops at 64 and 256 clients and Poisson bursts at 1.5x and 3x capacity from wrk (Debian's, installed

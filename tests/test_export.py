@@ -46,7 +46,7 @@ def test_export_writes_checked_artifacts_and_skips_when_up_to_date(tmp_path, ref
     assert (repo / "encoder" / "1" / "model.pt").stat().st_mtime == mtime
 
 
-def test_set_config_dims_rewrites_every_embedding_width(tmp_path):
+def test_set_config_dims_rewrites_every_width_limit_and_bucket_list(tmp_path):
     repo = copy_configs(tmp_path / "repo")
     changed = exporter.set_config_dims(repo, 768)
     names = sorted(str(p.relative_to(repo)) for p in changed)
@@ -59,8 +59,20 @@ def test_set_config_dims_rewrites_every_embedding_width(tmp_path):
     ]
     assert "dims: [ 768 ]" in (repo / "embed" / "config.pbtxt").read_text()
     assert exporter.set_config_dims(repo, 768) == []
-    assert exporter.set_config_dims(repo, 768, 512) == [repo / "tokenizer" / "config.pbtxt"]
+    assert exporter.set_config_dims(repo, 768, 256) == []  # the shipped limit and buckets
+    assert exporter.set_config_dims(repo, 768, 512) == [
+        repo / "encoder" / "config.pbtxt",
+        repo / "tokenizer" / "config.pbtxt",
+    ]
     assert 'string_value: "512" }  # max-seq-length' in (repo / "tokenizer" / "config.pbtxt").read_text()
+    encoder = (repo / "encoder" / "config.pbtxt").read_text()
+    assert encoder.count("batch_size: 64 input") == 12 and "dim: [ 384 ]" in encoder and "dim: [ 512 ]" in encoder
+    assert exporter.set_config_dims(repo, 768, 256) == [
+        repo / "encoder" / "config.pbtxt",
+        repo / "tokenizer" / "config.pbtxt",
+    ]
+    shipped = (ROOT / "model_repository" / "encoder" / "config.pbtxt").read_text()
+    assert (repo / "encoder" / "config.pbtxt").read_text() == shipped.replace("dims: [ 384 ]", "dims: [ 768 ]")
 
 
 def test_cli_reports_missing_model_folder(tmp_path, capsys):
@@ -140,3 +152,20 @@ def test_device_check_catches_a_module_pinned_to_the_cpu():
     problems = device_problems(pinned)
     assert any('Device = prim::Constant[value="cpu"]' in p for p in problems), problems
     assert any("meta device failed" in p and "Cannot copy out of meta tensor" in p for p in problems), problems
+
+
+def test_a_model_that_needs_its_own_code_is_refused_in_one_line(tmp_path, capsys):
+    """NomicBERT-style: config.json's auto_map points at the model's own modeling file, which the export never runs."""
+    model = tmp_path / "nomic-embed-text-v1.5"
+    model.mkdir()
+    (model / "modules.json").write_text(
+        json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}])
+    )
+    config = {"model_type": "nomic_bert", "auto_map": {"AutoModel": "modeling_hf_nomic_bert.NomicBertModel"}}
+    (model / "config.json").write_text(json.dumps(config))
+    assert exporter.main(["--model", str(model), "--repository", str(tmp_path / "repo")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "model_type 'nomic_bert' runs code shipped with the model" in err[0]
+    assert "trust_remote_code" in err[0] and "tested on model types bert, distilbert, roberta" in err[0]
+    assert not (tmp_path / "repo" / "encoder" / "1" / "model.pt").exists()

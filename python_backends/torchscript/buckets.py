@@ -11,8 +11,11 @@ The list comes from the model config's standard CUDA-graph fields, as TensorRT's
       graph_spec [ { batch_size: 8  input { key: "input_ids" value: { dim: [ 32 ] } } }, ... ]
     } }
 
-and defaults to the grid ``DEFAULT_BATCH_SIZES x DEFAULT_LENGTHS`` when no ``graph_spec`` is given. This module
-is pure Python + NumPy (no torch, no Triton) so it is unit-tested directly.
+and defaults to :func:`default_grid` when no ``graph_spec`` is given: ``DEFAULT_BATCH_SIZES x`` powers of two from
+16 up to the model's ``max_seq_length``, each bucket at most ``DEFAULT_MAX_TOKENS`` tokens. Buckets longer than
+``max_seq_length`` are dropped: no request reaches them. ``make model`` writes the CPU config's list with
+:func:`bucket_lengths`, so a long-context model's buckets reach its limit. This module is pure Python + NumPy (no
+torch, no Triton) so it is unit-tested directly.
 """
 
 from __future__ import annotations
@@ -24,6 +27,43 @@ import numpy as np
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_LENGTHS = (16, 32, 64, 128, 256)
+"""The default grid's lengths for a model of ``max_seq_length`` 256 (``default_grid``)."""
+DEFAULT_MAX_TOKENS = 64 * 256
+"""Largest bucket of the default grid, tokens: past 256 tokens its batch sizes shrink, so a CUDA graph of a long
+bucket holds no more activations than the 64 x 256 one."""
+
+
+def bucket_lengths(max_seq_length: int, *, smallest: int = 8, half_steps: bool = True) -> list[int]:
+    """Bucket lengths from ``smallest`` up to ``max_seq_length``, which is always the last.
+
+    The lengths are ``smallest`` times powers of two and, with ``half_steps``, 1.5 times each power past the first:
+    8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, ... A batch padded to its bucket wastes at most a third
+    of its tokens past 16 (half without ``half_steps``).
+
+    Raises:
+        ValueError: ``max_seq_length`` or ``smallest`` is below 1.
+    """
+    if max_seq_length < 1 or smallest < 1:
+        raise ValueError(f"max_seq_length and smallest must be >= 1; got {max_seq_length}, {smallest}")
+    lengths, power = [], smallest
+    while power < max_seq_length:
+        lengths.append(power)
+        if half_steps and power > smallest and power * 3 // 2 < max_seq_length:
+            lengths.append(power * 3 // 2)
+        power *= 2
+    return [*lengths, max_seq_length]
+
+
+def default_grid(max_seq_length: int = DEFAULT_LENGTHS[-1]) -> BucketTable:
+    """The buckets without a ``graph_spec``, for a model of ``max_seq_length`` tokens.
+
+    ``DEFAULT_BATCH_SIZES`` x :func:`bucket_lengths` (powers of two from 16), keeping the buckets of at most
+    ``DEFAULT_MAX_TOKENS`` tokens (and batch 1 at every length).
+    """
+    lengths = bucket_lengths(max_seq_length, smallest=DEFAULT_LENGTHS[0], half_steps=False)
+    return BucketTable(
+        (b, length) for b in DEFAULT_BATCH_SIZES for length in lengths if b == 1 or b * length <= DEFAULT_MAX_TOKENS
+    )
 
 
 class BucketConfigError(ValueError):
@@ -119,11 +159,15 @@ class GraphSettings:
     from_config: bool
 
 
-def settings_from_model_config(config: dict, *, input_name: str = "input_ids") -> GraphSettings:
+def settings_from_model_config(
+    config: dict, *, input_name: str = "input_ids", max_seq_length: int = DEFAULT_LENGTHS[-1]
+) -> GraphSettings:
     """Read buckets and the graphs flag from a model config as Triton passes it (``json.loads(args["model_config"])``).
 
     ``graph_spec`` entries need ``batch_size`` in ``[1, max_batch_size]`` and ``input[input_name].dim`` holding one
-    positive length (protobuf's JSON form gives int64 as strings; both are accepted).
+    positive length (protobuf's JSON form gives int64 as strings; both are accepted). Entries longer than
+    ``max_seq_length`` (the model's limit, tokens) are left out; without entries the buckets are
+    :func:`default_grid` of ``max_seq_length``.
 
     Raises:
         BucketConfigError: a malformed entry; the message names the field path and the value received.
@@ -132,7 +176,7 @@ def settings_from_model_config(config: dict, *, input_name: str = "input_ids") -
     graphs = bool(cuda.get("graphs", False))
     specs = cuda.get("graph_spec") or []
     if not specs:
-        return GraphSettings(graphs, BucketTable.grid(DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS), from_config=False)
+        return GraphSettings(graphs, default_grid(max_seq_length), from_config=False)
     max_batch = int(config.get("max_batch_size", 0) or 0)
     pairs = []
     for i, spec in enumerate(specs):
@@ -149,7 +193,13 @@ def settings_from_model_config(config: dict, *, input_name: str = "input_ids") -
         if len(dims) != 1:
             raise BucketConfigError(f"{field}.input['{input_name}'].dim must hold one length; got {list(dims)}")
         pairs.append((batch, _positive_int(dims[0], f"{field}.input['{input_name}'].dim[0]")))
-    return GraphSettings(graphs, BucketTable(pairs), from_config=True)
+    kept = [(batch, length) for batch, length in pairs if length <= max_seq_length]
+    if not kept:
+        raise BucketConfigError(
+            f"optimization.cuda.graph_spec: every entry is longer than the model's max_seq_length {max_seq_length}; "
+            f"got lengths {sorted({length for _, length in pairs})}"
+        )
+    return GraphSettings(graphs, BucketTable(kept), from_config=True)
 
 
 def _positive_int(value: object, field: str) -> int:

@@ -168,7 +168,7 @@ class TritonPythonModel:
         else:
             device = torch.device("cpu")
         try:
-            settings = settings_from_model_config(self.model_config)
+            settings = settings_from_model_config(self.model_config, max_seq_length=self.max_seq_length)
         except BucketConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
         module = load_module(module_path, device)

@@ -1,4 +1,4 @@
-"""The TorchScript encoder: a BERT-like transformer, pooling over the attention mask and L2 normalisation.
+"""The TorchScript encoder: a transformers encoder (or decoder used as one), pooling and L2 normalisation.
 
 The exported module is device-portable: it runs on the device its weights and inputs are on. :func:`device_problems`
 checks that of a saved module without a GPU.
@@ -26,9 +26,8 @@ class PooledEncoder(torch.nn.Module):
     are padded on the right). Normalisation is ``F.normalize(p=2, dim=1)``, as
     sentence-transformers' ``Normalize`` and ``encode(normalize_embeddings=True)`` do.
 
-    The transformer gets the additive attention mask ``[B, 1, 1, T]`` (0 where the mask is 1, the dtype's minimum
-    where it is 0) built here from the inputs. Given a 4-D mask, transformers skips its own mask builder, whose
-    trace hard-codes the tracing device (``torch.device("cpu")`` in ``arange``, ``zeros`` and ``to``).
+    The transformer gets the 2-D mask and builds its family's own attention mask from it (bidirectional, causal,
+    sliding-window); :func:`follow_input_device` then unpins what that builder's trace recorded of the device.
     """
 
     def __init__(self, transformer: torch.nn.Module, pooling: str) -> None:
@@ -38,13 +37,10 @@ class PooledEncoder(torch.nn.Module):
             raise ValueError(f"pooling {pooling!r} is not supported; supported: {', '.join(POOLINGS)}")
         self.transformer = transformer
         self.pooling = pooling
-        self.mask_dtype = next(transformer.parameters()).dtype
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Embed a padded batch; padding positions (mask 0) do not change any row's result."""
-        keep = attention_mask[:, None, None, :].to(self.mask_dtype)
-        bias = (1.0 - keep) * torch.finfo(self.mask_dtype).min
-        tokens = self.transformer(input_ids=input_ids, attention_mask=bias)[0]
+        tokens = self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0]
         if self.pooling == "cls":
             pooled = tokens[:, 0]
         elif self.pooling == "lasttoken":
@@ -53,7 +49,38 @@ class PooledEncoder(torch.nn.Module):
         else:
             mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
             pooled = (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return F.normalize(pooled, p=2, dim=1)
+        return F.normalize(pooled.float(), p=2, dim=1)
+
+
+def follow_input_device(traced: torch.jit.ScriptModule) -> int:
+    """Make every ``Device`` constant of ``traced`` the device of its first input, in place.
+
+    A trace records ``torch.device("cpu")`` wherever the model's code names a device (``arange(..., device=...)``,
+    ``zeros(..., device=...)``, ``mask.to(device)``): the position ids, token type ids and attention masks of every
+    transformers family. The forward graph is inlined (submodule calls replaced by their bodies, weights still read
+    from the submodules) and each such constant replaced by ``prim::device(input_ids)``, so the module runs on
+    whatever device its inputs are on. One rewrite for every architecture: it works on the graph, not on any
+    model's code.
+
+    Returns:
+        How many constants were replaced.
+    """
+    graph = traced.graph
+    torch._C._jit_pass_inline(graph)
+    input_ids = list(graph.inputs())[1]  # 0 is self
+    device = None
+    replaced = 0
+    for node in list(graph.findAllNodes("prim::Constant")):
+        if node.output().type().kind() != "DeviceObjType":
+            continue
+        if device is None:
+            device = graph.create("prim::device", [input_ids])
+            device.output().setType(node.output().type())
+            device.insertBefore(next(iter(graph.nodes())))
+        node.output().replaceAllUsesWith(device.output())
+        node.destroy()
+        replaced += 1
+    return replaced
 
 
 def describe(st_model, model_path: Path) -> dict:
@@ -87,29 +114,79 @@ def describe(st_model, model_path: Path) -> dict:
     }
 
 
-def build_traced_encoder(st_model, model_path: Path) -> tuple[torch.jit.ScriptModule, dict]:
-    """Trace :class:`PooledEncoder` for the model in ``model_path``.
+ATTENTION = "sdpa"
+"""transformers' attention implementation the export traces: 1.0-1.6x eager's speed on CPU, and memory linear in
+the length where eager's grows with its square (docs/benchmarks.md, "Attention implementation")."""
 
-    The transformer is reloaded with eager attention and tuple outputs (``attn_implementation="eager"``,
-    ``return_dict=False``), which trace to a module that is correct at every (B, T), and traced once under
-    ``torch.no_grad()`` at (2, 16).
+
+def remote_code_problem(transformer_path: Path) -> str | None:
+    """Why the transformer in ``transformer_path`` cannot be exported, or None.
+
+    A model whose ``config.json`` asks for code of its own (``auto_map``: ``trust_remote_code``) or names a
+    ``model_type`` this transformers lacks cannot be; any other architecture is tried, and the export's check decides.
+    """
+    from transformers import CONFIG_MAPPING
+
+    config_file = transformer_path / "config.json"
+    if not config_file.is_file():
+        return f"{transformer_path} has no config.json"
+    config = json.loads(config_file.read_text())
+    model_type = config.get("model_type")
+    if "auto_map" in config:
+        return (
+            f"model_type '{model_type}' runs code shipped with the model (auto_map in {config_file}), which the "
+            "exporter does not run (trust_remote_code)"
+        )
+    if model_type not in CONFIG_MAPPING:
+        return f"model_type '{model_type}' is not an architecture of transformers {_transformers_version()}"
+    return None
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def build_traced_encoder(
+    st_model, model_path: Path, *, attention: str = ATTENTION
+) -> tuple[torch.jit.ScriptModule, dict]:
+    """Trace :class:`PooledEncoder` for the model in ``model_path``, device-portable.
+
+    The transformer is reloaded with ``attn_implementation=attention`` (``eager`` for a family that has no SDPA
+    implementation), tuple outputs and no KV cache, traced once
+    under ``torch.no_grad()`` at (2, 16) with one padded row, and :func:`follow_input_device` applied.
 
     Returns:
-        (traced module in eval mode on CPU, :func:`describe` output plus ``vocab_size``).
+        (traced module in eval mode on CPU, :func:`describe` output plus ``vocab_size``, ``model_type`` and
+        ``attention``).
+
+    Raises:
+        ValueError: :func:`describe`'s.
     """
     from transformers import AutoModel
 
     info = describe(st_model, model_path)
-    transformer = AutoModel.from_pretrained(
-        str(info["transformer_path"]), attn_implementation="eager", return_dict=False
-    ).eval()
+    try:
+        transformer = AutoModel.from_pretrained(
+            str(info["transformer_path"]), attn_implementation=attention, return_dict=False
+        ).eval()
+    except ValueError:  # a family without an SDPA implementation (MPNet)
+        transformer = AutoModel.from_pretrained(
+            str(info["transformer_path"]), attn_implementation="eager", return_dict=False
+        ).eval()
+    info["attention"] = str(transformer.config._attn_implementation)
+    transformer.config.use_cache = False  # decoders (Qwen3) would build an empty KV cache: a CPU tensor constant
     info["vocab_size"] = int(transformer.config.vocab_size)
+    info["model_type"] = str(transformer.config.model_type)
     wrapper = PooledEncoder(transformer, info["pooling"]).eval()
-    example_ids = torch.randint(1000, 2000, (2, 16), dtype=torch.int64)
+    vocab = info["vocab_size"]
+    example_ids = torch.randint(vocab // 2, vocab, (2, 16), dtype=torch.int64)
     example_mask = torch.ones_like(example_ids)
     example_mask[1, 9:] = 0
     with torch.no_grad():
         traced = torch.jit.trace(wrapper, (example_ids, example_mask), check_trace=False)
+    follow_input_device(traced)
     return traced.eval(), info
 
 

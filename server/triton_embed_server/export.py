@@ -29,9 +29,13 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+BUCKETS_FILE = REPO_ROOT / "python_backends" / "torchscript" / "buckets.py"
 MAX_ABS_DIFF = 1e-5
 """Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
 MANIFEST_NAME = "export.json"
+TESTED_ARCHITECTURES = ("bert", "distilbert", "roberta", "xlm-roberta", "mpnet", "modernbert", "qwen3")
+"""transformers ``model_type``s served exactly in tests/test_architectures.py (docs/architectures.md)."""
+SERVED = f"the exporter is tested on model types {', '.join(TESTED_ARCHITECTURES)} (docs/architectures.md)"
 ARTIFACTS = (
     "encoder/1/model.pt",
     f"encoder/1/{MANIFEST_NAME}",
@@ -75,8 +79,10 @@ class ExportManifest:
         dim: embedding width (e.g. 384).
         max_seq_length: truncation length in tokens, sentence-transformers' ``max_seq_length``.
         vocab_size: number of token ids the encoder accepts (ids in ``[0, vocab_size)``).
-        pooling: ``mean`` or ``cls``.
+        pooling: ``mean``, ``cls`` or ``lasttoken``.
         max_abs_diff: measured worst |served - sentence-transformers| over ``CHECK_TEXTS``.
+        model_type: the transformer's architecture, transformers' ``model_type`` (``bert``, ``qwen3``, ...).
+        attention: the attention implementation traced, ``sdpa`` or ``eager``.
     """
 
     source: str
@@ -87,6 +93,8 @@ class ExportManifest:
     vocab_size: int
     pooling: str
     max_abs_diff: float
+    model_type: str
+    attention: str
 
 
 def default_model_path() -> Path:
@@ -107,10 +115,10 @@ def source_digest(model_path: Path) -> str:
 
 
 def exporter_digest() -> str:
-    """sha256 of the exporter's sources (this file and the module wrapper)."""
+    """sha256 of the exporter's sources (this file, the module wrapper and the bucket rules it writes)."""
     h = hashlib.sha256()
-    for name in ("export.py", "encoder_module.py"):
-        h.update((Path(__file__).parent / name).read_bytes())
+    for path in (Path(__file__).parent / "export.py", Path(__file__).parent / "encoder_module.py", BUCKETS_FILE):
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
@@ -141,11 +149,47 @@ def _atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
+def _buckets_module():
+    """``python_backends/torchscript/buckets.py``, the backend's bucket rules (a file of the backend, not a package)."""
+    import importlib.util
+
+    name = "triton_embed_buckets"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BUCKETS_FILE)
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(sys.modules[name])  # type: ignore[union-attr]
+    return sys.modules[name]
+
+
+_BUCKET_ENTRY = re.compile(
+    r'(?P<indent>[ \t]*)\{ batch_size: (?P<batch>\d+) input \{ key: "input_ids" value: \{ dim: \[ \d+ \] \} \} \},?\n'
+)
+_BUCKET_BLOCK = re.compile(rf"(?:{_BUCKET_ENTRY.pattern})+")
+
+
+def _bucket_block(block: str, max_seq_length: int) -> str:
+    """A ``graph_spec`` list of one batch size (the CPU config's), rewritten to ``bucket_lengths(max_seq_length)``.
+
+    A list of several batch sizes (a user's own grid) is kept as it is.
+    """
+    entries = list(_BUCKET_ENTRY.finditer(block))
+    if len({e["batch"] for e in entries}) != 1:
+        return block
+    indent, batch = entries[0]["indent"], entries[0]["batch"]
+    lines = [
+        f'{indent}{{ batch_size: {batch} input {{ key: "input_ids" value: {{ dim: [ {length} ] }} }} }}'
+        for length in _buckets_module().bucket_lengths(max_seq_length)
+    ]
+    return ",\n".join(lines) + "\n"
+
+
 def set_config_dims(repository: Path, dim: int, max_seq_length: int | None = None) -> list[Path]:
-    """Set the embedding width and the token limit in every config that declares them.
+    """Set the embedding width, the token limit and the length buckets in every config that declares them.
 
     The width is a ``dims: [ N ]`` on an ``# embedding-dim`` line; the limit, a ``string_value`` on a line marked
-    ``# max-seq-length`` (set only when ``max_seq_length`` is given).
+    ``# max-seq-length``; the buckets, a ``graph_spec`` list of one batch size (the CPU config's), whose lengths
+    become ``buckets.bucket_lengths(max_seq_length)`` (8 ... max_seq_length). The limit and the buckets are set only
+    when ``max_seq_length`` is given.
 
     Returns:
         The config files that changed (empty when they already said ``dim`` and ``max_seq_length``).
@@ -158,6 +202,7 @@ def set_config_dims(repository: Path, dim: int, max_seq_length: int | None = Non
         new = pattern.sub(rf"dims: [ {dim} ]\1", text)
         if max_seq_length is not None:
             new = limit.sub(rf'string_value: "{max_seq_length}" }}\1', new)
+            new = _BUCKET_BLOCK.sub(lambda m: _bucket_block(m[0], max_seq_length), new)
         if new != text:
             cfg.write_text(new)
             changed.append(cfg)
@@ -168,7 +213,8 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     """Trace, check and write the encoder and tokenizer artifacts for ``model_path``.
 
     Args:
-        model_path: a sentence-transformers folder (``modules.json``, a BERT-like Transformer, Pooling).
+        model_path: a sentence-transformers folder (``modules.json``: Transformer, Pooling[, Normalize]); the
+            transformer any transformers architecture that runs without code of the model's own.
         repository: the model repository to write into.
         force: export even when the manifest says the artifacts are up to date.
 
@@ -178,7 +224,8 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     Raises:
         ExportCheckError: the exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or the
             module holds a device constant or fails to run with weights and inputs on the ``meta`` device.
-        ValueError: the model's pooling is not one of ``encoder_module.POOLINGS`` or its tokenizer is not a fast one.
+        ValueError: the model's pooling is not one of ``encoder_module.POOLINGS``, its tokenizer is not a fast one, or
+            it needs code of its own (``encoder_module.remote_code_problem``).
     """
     manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
     if not force and is_up_to_date(model_path, repository):
@@ -189,14 +236,18 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
     from sentence_transformers import SentenceTransformer
     from tokenizers import Tokenizer
 
-    from triton_embed_server.encoder_module import build_traced_encoder, device_problems
+    from triton_embed_server.encoder_module import build_traced_encoder, device_problems, remote_code_problem
 
+    modules = json.loads((model_path / "modules.json").read_text())
+    problem = remote_code_problem(model_path / modules[0].get("path", ""))
+    if problem:
+        raise ValueError(f"{model_path}: {problem}; {SERVED}")
     torch.manual_seed(0)
     st = SentenceTransformer(str(model_path), device="cpu")
     traced, info = build_traced_encoder(st, model_path)
     pinned = device_problems(traced)
     if pinned:
-        raise ExportCheckError("exported encoder is pinned to one device: " + "; ".join(pinned))
+        raise ExportCheckError(f"exported encoder is pinned to one device: {'; '.join(pinned)}; {SERVED}")
     hf_tok = st.tokenizer
     if not getattr(hf_tok, "is_fast", False):
         raise ValueError(f"{model_path}: tokenizer is not a fast (tokenizers) tokenizer; only fast ones can be served")
@@ -220,9 +271,8 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         raise ExportCheckError(
             f"exported encoder differs from sentence-transformers: max abs diff {diff[worst]:.3g} "
             f"(limit {MAX_ABS_DIFF:g}) on text #{worst} of {len(CHECK_TEXTS[worst])} chars; "
-            f"{int((diff >= MAX_ABS_DIFF).sum())} of {len(CHECK_TEXTS)} texts over the limit; the exporter serves "
-            f"BERT-like encoders (bidirectional attention, token_type_ids optional), and this model's type is "
-            f"'{getattr(config, 'model_type', '?')}'"
+            f"{int((diff >= MAX_ABS_DIFF).sum())} of {len(CHECK_TEXTS)} texts over the limit; this model's type is "
+            f"'{getattr(config, 'model_type', '?')}'; {SERVED}"
         )
 
     manifest = ExportManifest(
@@ -234,6 +284,8 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         vocab_size=info["vocab_size"],
         pooling=info["pooling"],
         max_abs_diff=float(diff.max()),
+        model_type=info["model_type"],
+        attention=info["attention"],
     )
     _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
     prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
@@ -341,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     state = "up to date" if up_to_date else "exported"
     print(
-        f"model {state}: {manifest.source} -> {args.repository} "
-        f"(dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling {manifest.pooling}, "
+        f"model {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, {manifest.attention} "
+        f"attention, dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling {manifest.pooling}, "
         f"max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g})"
     )
     if note:

@@ -15,6 +15,8 @@ from buckets import (  # noqa: E402
     Bucket,
     BucketConfigError,
     BucketTable,
+    bucket_lengths,
+    default_grid,
     plan_chunks,
     settings_from_model_config,
 )
@@ -82,6 +84,41 @@ def test_graph_spec_absent_gives_the_default_grid():
     assert not settings.graphs and not settings.from_config
     assert sorted(settings.table.buckets) == sorted(GRID.buckets)
     assert settings_from_model_config({"optimization": {"cuda": {"graphs": True}}}).graphs
+
+
+def test_bucket_lengths_reach_the_model_limit_in_steps_of_at_most_one_and_a_half():
+    assert bucket_lengths(256) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256]  # the CPU config's list as shipped
+    assert bucket_lengths(128) == [8, 16, 24, 32, 48, 64, 96, 128]
+    assert bucket_lengths(8192)[-6:] == [1536, 2048, 3072, 4096, 6144, 8192]  # ModernBERT's limit
+    assert bucket_lengths(500)[-3:] == [256, 384, 500]  # a limit off the steps is the last bucket itself
+    assert bucket_lengths(5) == [5]
+    assert bucket_lengths(512, smallest=16, half_steps=False) == [16, 32, 64, 128, 256, 512]
+    for limit in (17, 300, 32768):
+        lengths = bucket_lengths(limit)
+        assert lengths == sorted(set(lengths)) and lengths[-1] == limit
+        assert all(b / a <= 2 for a, b in zip(lengths, lengths[1:], strict=False))
+        assert all(b / a <= 1.5 for a, b in zip(lengths[1:], lengths[2:], strict=False) if b < limit)
+    with pytest.raises(ValueError, match="max_seq_length and smallest must be >= 1; got 0, 8"):
+        bucket_lengths(0)
+
+
+def test_the_default_grid_covers_a_long_model_with_buckets_no_larger_than_64x256():
+    assert default_grid(256).buckets == GRID.buckets
+    long = default_grid(8192)
+    assert long.max_length == 8192 and long.lookup(2, 5000) == Bucket(2, 8192)
+    assert long.lookup(3, 5000) is None  # past 16,384 tokens: runs at its exact shape
+    assert max(k.tokens for k in long.buckets) == 64 * 256
+    assert default_grid(128).max_length == 128  # no bucket the model cannot reach
+
+
+def test_graph_spec_entries_past_the_model_limit_are_left_out():
+    config = {"optimization": {"cuda": {"graph_spec": [spec(64, ["64"]), spec(64, ["256"])]}}}
+    assert settings_from_model_config(config, max_seq_length=128).table.max_length == 64
+    assert settings_from_model_config({}, max_seq_length=1024).table.max_length == 1024
+    with pytest.raises(
+        BucketConfigError, match=r"every entry is longer than the model's max_seq_length 32; got lengths \[64, 256\]"
+    ):
+        settings_from_model_config(config, max_seq_length=32)
 
 
 @pytest.mark.parametrize(
