@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed-stamp
 
 # Model to export: empty = packaged all-MiniLM-L6-v2; or a sentence-transformers folder (make model MODEL=path).
 MODEL ?=
+# What the encoder computes at: auto (bf16 on a CPU with native bf16, else fp32), fp32, bf16 or fp16; a reduced
+# precision must reach MIN_COSINE to fp32 sentence-transformers on every calibration text (CORPUS's too, when given).
+PRECISION ?= auto
+MIN_COSINE ?= 0.9999
 # Embedded server binds loopback by default; HOST=0.0.0.0 opens it to the network.
 HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
@@ -27,7 +31,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test unit lint typecheck bench bench-encoder bench-overload perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -43,11 +47,13 @@ $(STAMP): requirements.lock pyproject.toml
 # Without MODEL: the model exported last (make model MODEL=... once, then make serve serves it); MODEL=default: the
 # packaged all-MiniLM-L6-v2.
 model: install
-	$(PY) -m triton_embed_server.export $(if $(MODEL),--model "$(MODEL)")
+	$(PY) -m triton_embed_server.export $(if $(MODEL),--model "$(MODEL)") --precision $(PRECISION) \
+		--min-cosine $(MIN_COSINE) $(if $(CORPUS),--corpus "$(CORPUS)")
 
-# The packaged all-MiniLM-L6-v2, whatever was exported before: the tests and the benchmark compare against it.
+# The packaged all-MiniLM-L6-v2 at fp32, whatever was exported before: the tests and the benchmark compare the served
+# embeddings with sentence-transformers' to 1e-5 (tests/test_precision.py and bench's triton-auto serve bf16).
 reference-model: install
-	$(PY) -m triton_embed_server.export --model default
+	$(PY) -m triton_embed_server.export --model default --precision fp32
 
 serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
@@ -101,6 +107,10 @@ bench: reference-model
 # The exported encoder's variants in process beside sentence-transformers (bench/encoder.py); ~4 min.
 bench-encoder: install
 	$(PY) -m bench.encoder $(BENCH_ARGS)
+
+# The served encoder at fp32 and at make model's default precision, perf_analyzer on each (bench/precision.py); ~6 min.
+bench-precision: install
+	$(PY) -m bench.precision $(BENCH_ARGS)
 
 # Overload figures side by side (docs/overload.md): perf_analyzer sweep with the shipped budget and with budget 0,
 # no-backoff loops at 64 and 256 clients and Poisson bursts at 1.5x and 3x capacity from wrk (Debian's, installed

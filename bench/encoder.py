@@ -5,12 +5,13 @@ them), with all CPU cores as torch threads; the variants run in turns, round aft
 falls on all of them alike, and each one's median round is reported. Variants:
 
 * ``sentence-transformers``: ``SentenceTransformer.encode`` itself, fp32 (the reference and the ceiling).
-* ``traced <attention>``: the module ``make model`` writes (``encoder_module.build_traced_encoder``), with
-  transformers' ``eager`` and ``sdpa`` attention.
+* ``traced <attention> <precision>``: the module ``make model`` writes (``encoder_module.build_traced_encoder``),
+  with transformers' ``eager`` and ``sdpa`` attention at fp32, and with ``sdpa`` at bf16 (``PRECISION=bf16``: traced
+  under CPU autocast). bf16 is fast only on a CPU with native bf16 (``precision.NATIVE_BF16_FLAGS``).
 
 Two corpora: STS-B sentences (median 14 tokens; or ``--corpus FILE``) and texts at the model's ``max_seq_length``,
 where attention's share of the work is largest. Prints one markdown table: sentences/s, x sentence-transformers, and
-the worst |difference| and lowest cosine of each variant's embeddings to sentence-transformers'.
+the worst |difference| and lowest cosine of each variant's embeddings to sentence-transformers' (fp32).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
 
 from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
 
@@ -128,15 +131,26 @@ def main(argv: list[str] | None = None) -> int:
     words = " ".join(corpus).split()
     long = [" ".join(rng.choice(words, size=limit)) for _ in range(args.long_texts)]
 
-    variants = {"traced sdpa (shipped)": "sdpa", "traced eager": "eager"}
-    modules = {name: build_traced_encoder(st, path, attention=attn)[0] for name, attn in variants.items()}
+    variants = {
+        "traced sdpa fp32": ("sdpa", "fp32"),
+        "traced eager fp32": ("eager", "fp32"),
+        "traced sdpa bf16": ("sdpa", "bf16"),
+    }
+    modules = {
+        name: build_traced_encoder(st, path, attention=attention, precision=precision)[0]
+        for name, (attention, precision) in variants.items()
+    }
 
     rows = []
     for corpus_name, texts in (("STS-B sentences", short), (f"{limit}-token texts", long)):
         rows += compare(corpus_name, texts, st, modules, args.rounds)
         print(f"{corpus_name}: done", file=sys.stderr, flush=True)
 
-    print(f"CPU: {cpu_model()}, {threads} torch threads, torch {torch.__version__}; {args.rounds} rounds, median")
+    native = sorted(cpu_flags() & set(NATIVE_BF16_FLAGS)) or ["no native bf16"]
+    print(
+        f"CPU: {cpu_model()} ({', '.join(native)}), {threads} torch threads, torch {torch.__version__}; "
+        f"{args.rounds} rounds, median"
+    )
     print("| texts | variant | sentences/s | spread | x sentence-transformers | max abs diff | min cosine |")
     print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
     for corpus_name, name, rate, spread, ratio, diff, cosine in rows:

@@ -7,16 +7,20 @@ minutes):
    files from ``make gpu-carry``; the trained weights do not travel, and speed does not depend on them) and exports
    it with the project's exporter (``triton_embed_server.export.export``, its self-check included) into a copy of
    ``model_repository``;
+   at fp32, and again at fp16 (``PRECISION=fp16``, the GPU configs' default, through its quality gate) into a second
+   copy;
 2. loads the written ``model.pt`` through ``runners.load_module`` on the GPU; per bucket of the default grid
    (batch 1..64 x length 16..256), graph replay of a ragged batch must equal each row run alone, eagerly on the GPU
    and on the CPU from the same file (max abs diff < 1e-3); graph vs eager throughput per batch at length 32
    (aim: >= 2x for batch <= 8);
-3. in-process throughput of tokenizer + graph runner (batches of 64) on the same file and GPU;
+3. fp16: per bucket, graph replay of the fp16 file against each row run alone at fp16 and against the fp32 graph
+   replay of the same batch (min cosine >= 0.9999), and fp16 against fp32 graph throughput per batch at length 32;
+   in-process throughput of tokenizer + graph runner (batches of 64) on the fp32 file;
 4. the NVML monitor (``triton_embed_monitor``) must see this GPU's utilisation rise under graph replays;
 5. starts the embedded tritonserver with ``--model-config-name=gpu`` on the copy; each text served alone must equal
    the in-process embedding (< 1e-3); a closed-loop sweep of one-text requests (KServe v2 JSON over ``http.client``,
    ``bench/gpu_load.py``) gives the throughput at p99 <= 20 ms and <= 200 ms, and the first over the in-process
-   throughput (aim: >= 0.7x).
+   throughput (aim: >= 0.7x); then the same on the fp16 copy (each text against the fp16 graph runner).
 
 Writes ``gpu_check.json``, ``gpu_check.md`` (tables to paste into docs/benchmarks.md) and ``tritonserver.log`` under
 ``--out``, prints the summary, and exits 1 when a correctness check fails or a phase fails, 2 when the environment
@@ -99,8 +103,8 @@ GPU_PLAN = Plan(
     monitor_s=8.0,
     model_config_name="gpu",
     budget_s=540.0,
-    limits={"environment": 90, "model": 60, "export": 240, "runner": 180, "speed": 120, "in-process": 60,
-            "monitor": 60, "served": 330},
+    limits={"environment": 90, "model": 60, "export": 240, "runner": 180, "speed": 120, "fp16": 120,
+            "in-process": 60, "monitor": 60, "served": 200, "served-fp16": 200},
 )  # fmt: skip
 DRY_PLAN = Plan(
     device="cpu",
@@ -117,8 +121,8 @@ DRY_PLAN = Plan(
     monitor_s=1.0,
     model_config_name=None,
     budget_s=480.0,
-    limits={"environment": 120, "model": 60, "export": 180, "runner": 120, "speed": 60, "in-process": 30,
-            "monitor": 30, "served": 240},
+    limits={"environment": 120, "model": 60, "export": 240, "runner": 120, "speed": 60, "fp16": 120,
+            "in-process": 30, "monitor": 30, "served": 180, "served-fp16": 180},
 )  # fmt: skip
 
 
@@ -228,8 +232,8 @@ def version_problems(found: dict, *, need_cuda: bool) -> list[str]:
         problems.append(f"torch {found['torch']}: CUDA graph capture as the runner does it needs torch 2.1 or newer")
     if found.get("transformers") and _major_minor(found["transformers"])[0] < 5:
         problems.append(
-            f"transformers {found['transformers']}: the exporter needs transformers 5 or newer (it passes a 4-D "
-            "additive attention mask, which transformers 5 takes as-is); carry a transformers 5 wheel"
+            f"transformers {found['transformers']}: the exporter is tested with transformers 5 (its attention mask "
+            "builders and SDPA tracing); carry a transformers 5 wheel"
         )
     if not found.get("nvidia-pytriton"):
         problems.append("nvidia-pytriton is not installed: pip install --no-deps the carried wheel")
@@ -311,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
     state = types.SimpleNamespace()
     folder = work / "minilm-random"
     repo = work / "model_repository"
+    repo16 = work / "model_repository-fp16"
 
     report.run(
         "model", limits["model"], lambda: gpu_steps.build_random_model(gpu_steps.minilm_source(args.carry), folder)
@@ -321,19 +326,29 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
         from triton_embed_server.export import MAX_ABS_DIFF, export
 
         gpu_steps.copy_repository(repo)
-        manifest = export(folder, repo, force=True)
+        manifest = export(folder, repo, force=True, precision="fp32")
+        gpu_steps.copy_repository(repo16)
+        manifest16 = export(folder, repo16, force=True, precision="auto", device="gpu")
         written = repo / "encoder" / "1" / "model.pt"
         pinned = device_problems(torch.jit.load(str(written), map_location="cpu"))
+        pinned += device_problems(torch.jit.load(str(repo16 / "encoder" / "1" / "model.pt"), map_location="cpu"))
+        report.check(
+            "PRECISION=auto for the GPU config: fp16 through the exporter's gate (min cosine to fp32, on the CPU)",
+            manifest16.precision == "fp16",
+            f"{manifest16.precision}, min cosine {manifest16.min_cosine:.6f}",
+            f"fp16, >= {gpu_steps.MIN_COSINE_FP16:g}",
+        )
         report.check(
             "export with the project's exporter (its self-check vs sentence-transformers)",
             manifest.max_abs_diff < MAX_ABS_DIFF,
             f"max abs diff {manifest.max_abs_diff:.2g}",
             f"< {MAX_ABS_DIFF:g}",
         )
-        report.check("device constants in the written model.pt", not pinned, "; ".join(pinned) or "none", "none")
+        report.check("device constants in the written model.pt files", not pinned, "; ".join(pinned) or "none", "none")
         return {
             "exporter": f"{export.__module__}.{export.__qualname__}",
             "manifest": asdict(manifest),
+            "manifest_fp16": asdict(manifest16),
             "model_pt_bytes": written.stat().st_size,
             "tokenizer_json": str(repo / "tokenizer" / "1" / "tokenizer.json"),
             "device_problems": pinned,
@@ -377,6 +392,34 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
         needs=("runner",),
     )
 
+    def fp16_step() -> dict:
+        state.module16 = load_module(repo16 / "encoder" / "1" / "model.pt", device)
+        lines: list[str] = []
+        state.graph16 = BucketedRunner(
+            state.module16, device, GraphSettings(plan.graphs, state.graph.table, False), log=lines.append
+        )
+        state.graph16.warmup()
+        checked = gpu_steps.check_fp16(state.graph16, state.module16, state.graph, device)
+        path_name = "graph replay" if state.graph16.use_graphs else "bucketed eager"
+        report.check(
+            f"fp16 {path_name} vs each row alone at fp16 on {device.type}, per bucket (min cosine)",
+            checked["worst_vs_eager_fp16"] >= gpu_steps.MIN_COSINE_FP16,
+            f"worst {checked['worst_vs_eager_fp16']:.6f} over {len(checked['vs_eager_fp16'])} buckets",
+            f">= {gpu_steps.MIN_COSINE_FP16:g}",
+        )
+        report.check(
+            f"fp16 vs fp32 {path_name}, same batches, per bucket (min cosine)",
+            checked["worst_vs_fp32"] >= gpu_steps.MIN_COSINE_FP16,
+            f"worst {checked['worst_vs_fp32']:.6f} over {len(checked['vs_fp32'])} buckets",
+            f">= {gpu_steps.MIN_COSINE_FP16:g}",
+        )
+        speed = gpu_steps.speed_per_batch(
+            state.graph, state.graph16, list(plan.batch_sizes), calls=plan.calls, names=("fp32", "fp16")
+        )
+        return {"load_log": lines, "length_32": speed, **checked}
+
+    report.run("fp16", limits["fp16"], fp16_step, needs=("runner", "export"))
+
     texts = gpu_steps.make_texts(folder / "vocab.txt", 4096) if (folder / "vocab.txt").is_file() else []
 
     def in_process_step() -> dict:
@@ -411,15 +454,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
 
     report.run("monitor", limits["monitor"], monitor_step, needs=("runner",))
 
-    def served_step() -> dict:
-        from triton_embed_server import embedded
+    from triton_embed_server import embedded
 
-        if args.stub_path is not None:
-            embedded.server_environment = gpu_steps.with_stub_path(embedded.server_environment, args.stub_path)
+    if args.stub_path is not None:
+        embedded.server_environment = gpu_steps.with_stub_path(embedded.server_environment, args.stub_path)
 
-        log = work / "tritonserver.log"
+    def served_step(repository: Path, runner_name: str, log_name: str, phase: str) -> dict:
+        runner = getattr(state, runner_name)
+        log = work / log_name
         server = embedded.EmbeddedServer(
-            model_repository=repo,
+            model_repository=repository,
             http_port=0,
             grpc_port=0,
             metrics_port=0,
@@ -430,31 +474,44 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
         start = time.monotonic()
         server.start()
         try:
-            server.wait_ready(timeout_s=limits["served"] / 2)
+            server.wait_ready(timeout_s=limits[phase] / 2)
             result["ready_s"] = round(time.monotonic() - start, 1)
             print(f"   tritonserver ready in {result['ready_s']} s ({server.http_url})", flush=True)
             same = gpu_steps.served_equals_in_process(
-                server.http_url, state.graph, state.tokenizer, gpu_steps.check_texts(texts)
+                server.http_url, runner, state.tokenizer, gpu_steps.check_texts(texts)
             )
             result["equality"] = same
+            precision = json.loads((repository / "encoder" / "1" / "export.json").read_text())["precision"]
+            result["precision"] = precision
             report.check(
-                "served (one text per request) vs in-process, same file and device",
+                f"served at {precision} (one text per request) vs in-process, same file and device",
                 same["max_abs_diff"] < gpu_steps.MAX_DIFF,
                 f"max abs diff {same['max_abs_diff']:.2g} over {same['texts']} texts",
                 f"< {gpu_steps.MAX_DIFF:g}",
             )
             texts_file = work / "texts.json"
             texts_file.write_text(json.dumps(texts))
-            left = limits["served"] - (time.monotonic() - start) - 20
+            left = limits[phase] - (time.monotonic() - start) - 20
             result.update(gpu_steps.run_sweep(server.http_url, texts_file, plan, timeout_s=max(10.0, left)))
             result["batches"] = gpu_steps.encoder_batches(server.http_url)
         finally:
             result["exit_code"] = server.stop()
             if log.is_file():
-                shutil.copyfile(log, report.out / "tritonserver.log")
+                shutil.copyfile(log, report.out / log_name)
         return result
 
-    report.run("served", limits["served"], served_step, needs=("in-process",))
+    report.run(
+        "served",
+        limits["served"],
+        lambda: served_step(repo, "graph", "tritonserver.log", "served"),
+        needs=("in-process",),
+    )
+    report.run(
+        "served-fp16",
+        limits["served-fp16"],
+        lambda: served_step(repo16, "graph16", "tritonserver-fp16.log", "served-fp16"),
+        needs=("in-process", "fp16"),
+    )
     watchdog.cancel()
     report.write()
     print("\n" + gpu_report.markdown(report.data), flush=True)

@@ -31,10 +31,15 @@ def figures(data: dict) -> dict:
     ceiling = (data.get("in-process") or {}).get("throughput")
     out["in_process_per_s"] = ceiling
     levels = (data.get("served") or {}).get("levels") or []
+    levels16 = (data.get("served-fp16") or {}).get("levels") or []
     for bound in P99_TARGETS_MS:
         level = best_under(levels, bound)
         out[f"served_p99_le_{bound:g}ms"] = level
         out[f"ratio_p99_le_{bound:g}ms"] = level["throughput"] / ceiling if level and ceiling else None
+        level16 = best_under(levels16, bound)
+        out[f"served_fp16_p99_le_{bound:g}ms"] = level16
+        ratio16 = level16["throughput"] / level["throughput"] if level and level16 else None
+        out[f"fp16_over_fp32_p99_le_{bound:g}ms"] = ratio16
     return out
 
 
@@ -42,6 +47,24 @@ def _fmt(value, spec: str = ".0f", missing: str = "not measured") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return missing
     return format(value, spec)
+
+
+def _pair_table(rows: list[dict], names: tuple[str, str]) -> list[str]:
+    """Markdown lines of ``gpu_steps.speed_per_batch`` rows of two runners named ``names``; none without rows."""
+    if not rows:
+        return []
+    first, second = names
+    return [
+        "",
+        f"| batch x 32 tokens | {first} texts/s | {second} texts/s | {second} / {first} | {first} p99 ms "
+        f"| {second} p99 ms |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(
+            f"| {r['batch']} | {r[f'{first}_per_s']:.0f} | {r[f'{second}_per_s']:.0f} "
+            f"| {r[f'{second}_over_{first}']:.2f} | {r[f'{first}_p99_ms']:.2f} | {r[f'{second}_p99_ms']:.2f} |"
+            for r in rows
+        ),
+    ]
 
 
 def markdown(data: dict) -> str:
@@ -87,18 +110,18 @@ def markdown(data: dict) -> str:
         aim = f">= {SERVED_AIM:g}x in-process" if bound == P99_TARGETS_MS[0] else ""
         lines.append(f"| served `embed`, one text per request, p99 <= {bound:g} ms | {value} | {aim} |")
 
-    speed = (data.get("speed") or {}).get("length_32") or []
-    if speed:
-        lines += [
-            "",
-            "| batch x 32 tokens | eager texts/s | graph texts/s | graph / eager | eager p99 ms | graph p99 ms |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {r['batch']} | {r['eager_per_s']:.0f} | {r['graph_per_s']:.0f} | {r['graph_over_eager']:.2f} "
-            f"| {r['eager_p99_ms']:.2f} | {r['graph_p99_ms']:.2f} |"
-            for r in speed
-        ]
+    for bound in P99_TARGETS_MS:
+        level16, ratio16 = f[f"served_fp16_p99_le_{bound:g}ms"], f[f"fp16_over_fp32_p99_le_{bound:g}ms"]
+        value = (
+            f"{level16['throughput']:.0f} req/s at concurrency {level16['concurrency']} (p99 {level16['p99_ms']:.1f} "
+            f"ms); {_fmt(ratio16, '.2f')}x fp32"
+            if level16
+            else "not measured"
+        )
+        lines.append(f"| served `embed` at fp16, one text per request, p99 <= {bound:g} ms | {value} | |")
+
+    lines += _pair_table((data.get("speed") or {}).get("length_32") or [], ("eager", "graph"))
+    lines += _pair_table((data.get("fp16") or {}).get("length_32") or [], ("fp32", "fp16"))
     served = data.get("served") or {}
     if served.get("levels"):
         batches = (served.get("batches") or {}).get("encoder") or {}

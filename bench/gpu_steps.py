@@ -246,6 +246,40 @@ def check_buckets(runner, module, device, module_cpu, seed: int = 0) -> dict:
     }
 
 
+MIN_COSINE_FP16 = 0.9999
+"""Lowest cosine an fp16 embedding may reach to the same row at fp32 (or to fp16 run alone), the export's gate."""
+
+
+def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine of each row of ``a`` with the same row of ``b`` (both ``(rows, dim)``)."""
+    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def check_fp16(runner16, module16, runner32, device, seed: int = 0) -> dict:
+    """Per bucket, the lowest row cosine of a ragged batch through the fp16 ``runner16`` to two references.
+
+    The references: each row run alone at fp16 (``module16`` on ``device``), and the same batch through the fp32
+    ``runner32``.
+
+    Returns:
+        ``{"vs_eager_fp16": {bucket: min cosine}, "vs_fp32": {...}, "worst_vs_eager_fp16", "worst_vs_fp32"}``.
+    """
+    rng = np.random.default_rng(seed)
+    vs_eager, vs_fp32 = {}, {}
+    for bucket in runner16.table.buckets:
+        rows = max(1, bucket.batch_size - 1)
+        ids, mask, lengths = ragged(rng, rows, bucket.length)
+        out = runner16(ids, mask)
+        vs_eager[str(bucket)] = float(_row_cosines(out, per_row(module16, device, ids, mask, lengths)).min())
+        vs_fp32[str(bucket)] = float(_row_cosines(out, runner32(ids, mask)).min())
+    return {
+        "vs_eager_fp16": vs_eager,
+        "vs_fp32": vs_fp32,
+        "worst_vs_eager_fp16": min(vs_eager.values()),
+        "worst_vs_fp32": min(vs_fp32.values()),
+    }
+
+
 def time_calls(fn: Callable[[], object], calls: int) -> list[float]:
     """Milliseconds per call of ``fn`` (each returns host data, so each includes the device sync)."""
     out = []
@@ -256,20 +290,34 @@ def time_calls(fn: Callable[[], object], calls: int) -> list[float]:
     return out
 
 
-def speed_per_batch(eager, graph, batch_sizes: list[int], *, calls: int, length: int = 32, seed: int = 1) -> list[dict]:
-    """Eager vs graph runner per batch bucket at ``length`` tokens (STS-B's p95 is 31): sentences/s and p99 per call."""
+def speed_per_batch(
+    eager,
+    graph,
+    batch_sizes: list[int],
+    *,
+    calls: int,
+    length: int = 32,
+    seed: int = 1,
+    names: tuple[str, str] = ("eager", "graph"),
+) -> list[dict]:
+    """Two runners per batch bucket at ``length`` tokens (STS-B's p95 is 31): sentences/s and p99 per call.
+
+    Returns:
+        One dict per batch size: ``{name}_per_s`` and ``{name}_p99_ms`` for both ``names`` (eager's and graph's by
+        default) and ``{second}_over_{first}``, the throughput ratio.
+    """
     rng = np.random.default_rng(seed)
     rows = []
     for batch in batch_sizes:
         ids = rng.integers(1000, 29000, size=(batch, length)).astype(np.int64)
         mask = np.ones_like(ids)
         row = {"batch": batch, "length": length}
-        for name, runner in (("eager", eager), ("graph", graph)):
+        for name, runner in zip(names, (eager, graph), strict=True):
             runner(ids, mask)
             times = time_calls(lambda r=runner, i=ids, m=mask: r(i, m), calls)
             row[f"{name}_per_s"] = batch * 1000 / float(np.mean(times))
             row[f"{name}_p99_ms"] = float(np.percentile(times, 99))
-        row["graph_over_eager"] = row["graph_per_s"] / row["eager_per_s"]
+        row[f"{names[1]}_over_{names[0]}"] = row[f"{names[1]}_per_s"] / row[f"{names[0]}_per_s"]
         rows.append(row)
     return rows
 

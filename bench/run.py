@@ -6,7 +6,10 @@ a. ``in-process``: ``SentenceTransformer.encode`` at batch 32 (the throughput ce
    single-sentence latency a request cannot beat).
 b. ``naive``: bench/naive_server.py, FastAPI + JSON + PyTorch, one encode per request, under uvicorn.
 c. ``triton-fixed128``: our service with every batch padded to 128 tokens (the common fixed-shape setup).
-d. ``triton-buckets``: our service as shipped (length buckets, ragged batching).
+d. ``triton-buckets``: our service as shipped (length buckets, ragged batching), the encoder at fp32 (``make bench``
+   exports the reference model at fp32).
+d'. ``triton-auto``: the same with the encoder exported at ``make model``'s default, ``PRECISION=auto`` (bf16 on a
+   CPU with native bf16).
 e. ``gateway``: the same service through the HTTP gateway (OpenAI ``/v1/embeddings``, float JSON), against d's
    figures: the p50 it adds at concurrency 1, its throughput at the knee, and base64's response size against float's.
 
@@ -143,6 +146,7 @@ def variant_repository(
     encoder_delay_us: int | None = None,
     knobs: dict[tuple[str, str], str] | None = None,
     cache: bool = False,
+    precision: str | None = None,
 ) -> Path:
     """Copy the model repository to ``dst`` (artifacts symlinked), the response cache off unless ``cache``.
 
@@ -153,18 +157,23 @@ def variant_repository(
         knobs: config parameters to set, ``{(model, parameter key): string value}``, e.g.
             ``{("encoder", "LATENCY_BUDGET_MS"): "0"}``.
         cache: keep the ensemble's response cache on, as shipped.
+        precision: when set, the packaged model is exported into ``dst`` at this precision (``make model``'s
+            ``PRECISION``: auto, fp32, bf16, fp16) instead of linking the repository's artifacts.
 
     Raises:
         ValueError: the shipped config lacks a value this function rewrites.
     """
-    from triton_embed_server.export import ARTIFACTS
+    from triton_embed_server import export as exporter
 
     src = ROOT / "model_repository"
     shutil.copytree(
         src, dst, symlinks=True, ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))]
     )
-    for name in ARTIFACTS:
-        (dst / name).symlink_to(src / name)
+    if precision is None:
+        for name in exporter.ARTIFACTS:
+            (dst / name).symlink_to(src / name)
+    else:
+        exporter.export(exporter.default_model_path(), dst, force=True, precision=precision)
     if not cache:
         embed = dst / "embed" / "config.pbtxt"
         cache_off = embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }")
@@ -226,11 +235,19 @@ def gateway_system(grpc_url: str, texts: list[str], levels: list[int], duration:
 
 
 def triton_system(
-    texts: list[str], levels: list[int], duration: float, sla: float, *, fixed_length: int | None, gateway: bool = False
+    texts: list[str],
+    levels: list[int],
+    duration: float,
+    sla: float,
+    *,
+    fixed_length: int | None,
+    gateway: bool = False,
+    precision: str | None = None,
 ):
     """Start the embedded server on a variant repository and sweep it with single-sentence gRPC requests.
 
-    With ``gateway``, sweep the gateway in front of it instead (:func:`gateway_system`).
+    With ``gateway``, sweep the gateway in front of it instead (:func:`gateway_system`); with ``precision``, serve
+    the packaged model exported at it (``variant_repository``).
 
     Returns:
         (levels, the encoder's average batch over the run, extra figures for the report).
@@ -239,14 +256,16 @@ def triton_system(
     from triton_embed_server.embedded import EmbeddedServer
 
     with tempfile.TemporaryDirectory() as tmp:
-        repo = variant_repository(Path(tmp) / "repo", fixed_length)
+        repo = variant_repository(Path(tmp) / "repo", fixed_length, precision=precision)
         log = Path(tmp) / "tritonserver.log"
         with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
 
             def make_sender() -> Callable[[str], None]:
                 return grpc_sender(srv.grpc_url)
 
-            extra = {}
+            extra: dict = {}
+            if precision is not None:
+                extra["precision"] = json.loads((repo / "encoder" / "1" / "export.json").read_text())["precision"]
             if gateway:
                 levels_out, extra["response_bytes"] = gateway_system(srv.grpc_url, texts, levels, duration, sla)
             else:
@@ -287,6 +306,9 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
         if failed:  # a level with errors never counts as the best, so the table above does not show them
             lines.append(f"\n{name}: requests failed ({', '.join(failed)}); those levels were not eligible.")
     lines += gateway_lines(results["systems"])
+    for name, data in results["systems"].items():
+        if "precision" in data:
+            lines.append(f"\n{name}: the packaged model exported with PRECISION=auto, served at {data['precision']}.")
     for name, data in results["systems"].items():
         if "avg_encoder_batch" in data:
             lines.append(f"\n{name}: average encoder batch over the run {data['avg_encoder_batch']:.1f} requests.")
@@ -344,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32, 48, 64])
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
     parser.add_argument("--sla-ms", type=float, default=200.0)
-    parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets,gateway")
+    parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets,triton-auto,gateway")
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
     args = parser.parse_args(argv)
 
@@ -372,7 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             fixed = 128 if name == "triton-fixed128" else None
             levels, extra["avg_encoder_batch"], more = triton_system(
-                texts, args.levels, args.duration, args.sla_ms, fixed_length=fixed, gateway=name == "gateway"
+                texts,
+                args.levels,
+                args.duration,
+                args.sla_ms,
+                fixed_length=fixed,
+                gateway=name == "gateway",
+                precision="auto" if name == "triton-auto" else None,
             )
             extra.update(more)
         best = best_under_sla(levels, args.sla_ms)

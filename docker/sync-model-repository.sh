@@ -3,9 +3,12 @@
 # DEST (the volume Triton mounts read-only) becomes CONFIGS (the host's model_repository, read-only) without its
 # git-ignored artifacts, plus the encoder and tokenizer artifacts: with MODEL (a sentence-transformers folder), that
 # model exported and self-checked here by `python -m triton_embed_server.export`; without it, ARTIFACTS (the packaged
-# all-MiniLM-L6-v2 exported when the image was built). Every config's embedding width is then set to the artifact's
+# all-MiniLM-L6-v2 exported when the image was built), or with PRECISION set, the packaged model exported here at it.
+# Every config's embedding width, token limit, buckets and precision are then set to the artifact's
 # (encoder/1/export.json), whatever the host's configs say. DEST changes only once all of that succeeded.
-# PYTHON: the interpreter that imports triton_embed_server (default python3).
+# PYTHON: the interpreter that imports triton_embed_server (default python3). PRECISION: auto, fp32, bf16 or fp16
+# (make model's; empty: auto with MODEL, the image's artifacts without). EXPORT_DEVICE: cpu or gpu, what auto picks
+# for (default gpu: the compose and Kubernetes configs serve on GPUs).
 set -euo pipefail
 if [[ $# -lt 3 || $# -gt 4 ]]; then
     echo "usage: sync-model-repository CONFIGS ARTIFACTS DEST [MODEL]" >&2
@@ -25,9 +28,11 @@ trap 'rm -rf "$stage"' EXIT
 # configs only: the version folders' artifacts (*/1/*) come from the export, whatever the host holds
 (cd "$configs" && find . -path './*/[0-9]*/*' -prune -o -type f -exec cp --parents {} "$stage" \;)
 (cd "$configs" && find . -mindepth 2 -maxdepth 2 -type d -name '[0-9]*' -exec mkdir -p "$stage"/{} \;)
-if [[ -n "$model" ]]; then
-    echo "sync-model-repository: exporting ${MODEL:-$model}" >&2
-    "$python" -m triton_embed_server.export --model "$model" --repository "$stage" --force >&2
+precision="${PRECISION:-}" device="${EXPORT_DEVICE:-gpu}"
+if [[ -n "$model" || -n "$precision" ]]; then
+    echo "sync-model-repository: exporting ${MODEL:-${model:-the packaged model}} at precision ${precision:-auto}" >&2
+    "$python" -m triton_embed_server.export --model "${model:-default}" --repository "$stage" --force \
+        --precision "${precision:-auto}" --device "$device" >&2
 else
     cp -R "$artifacts"/. "$stage"/
 fi
@@ -41,7 +46,7 @@ from triton_embed_server.export import set_config_dims
 repository = Path(sys.argv[1])
 manifest = json.loads((repository / "encoder" / "1" / "export.json").read_text())
 dim = manifest["dim"]
-for config in set_config_dims(repository, dim, manifest["max_seq_length"]):
+for config in set_config_dims(repository, dim, manifest["max_seq_length"], manifest.get("precision", "fp32")):
     print(f"sync-model-repository: embedding width {dim} in {config.relative_to(repository)}", file=sys.stderr)
 PY
 find "$dest" -mindepth 1 -delete

@@ -219,10 +219,11 @@ def small_sentence_transformer(
     return folder / "model"
 
 
-def repository_for(model: Path, repo: Path) -> Path:
-    """A copy of the project's configs at ``repo`` with ``model`` exported into it (widths set to its own)."""
+def repository_for(model: Path, repo: Path, precision: str = "fp32") -> Path:
+    """A copy of the project's configs at ``repo`` with ``model`` exported into it at ``precision`` (widths, limit,
+    buckets and precision set to its own). fp32 by default: the tests compare with sentence-transformers to 1e-5."""
     from triton_embed_server import export as exporter
 
     shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "*.json"))
-    exporter.export(model, repo)
+    exporter.export(model, repo, precision=precision)
     return repo

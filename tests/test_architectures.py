@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from helpers import infer, text_tensor
 from small_models import ARCHITECTURES, repository_for, small_sentence_transformer
-from test_libtorch_compat import scratch_python
+from test_libtorch_compat import in_libtorch_24_10
 from triton_embed_server.encoder_module import device_problems
 
 WORDS = "the quick brown fox jumps over a lazy dog while people watch from the river bank "
@@ -133,17 +132,7 @@ def test_every_family_runs_in_the_libtorch_of_triton_24_10(exported):
     ids = rng.integers(5, 100, size=(3, 40)).astype(np.int64)  # within every tiny vocabulary
     mask = np.ones_like(ids)
     mask[1, 9:] = 0
-    done = subprocess.run(
-        [scratch_python(), "-c", RUN_ALL, *paths],
-        input=json.dumps([ids.tolist(), mask.tolist()]),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["torch"].startswith("2.5.0"), result["torch"]
+    result = in_libtorch_24_10(RUN_ALL, *paths, ids=ids, mask=mask)
     for path in paths:
         with torch.no_grad():
             ours = torch.jit.load(path).eval()(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()

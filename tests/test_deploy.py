@@ -113,7 +113,7 @@ def test_triton_service():
         ]
     )
     assert export["build"]["target"] == "export" and export.get("restart") == "no"
-    assert export["environment"] == {"MODEL": ""}
+    assert export["environment"] == {"MODEL": "", "PRECISION": ""}  # unset: the image's export, as built
     # a failure at every start (a refused driver, a model that does not load) stops instead of looping
     assert triton["restart"] == "on-failure:5"
     health = triton["healthcheck"]
@@ -135,7 +135,7 @@ def test_triton_service():
 
 def test_model_setting_mounts_that_folder_read_only_for_the_export(tmp_path):
     export = resolved(MODEL=str(tmp_path))["services"]["model-export"]
-    assert f"{tmp_path}:/src/model:ro" in export["volumes"] and export["environment"] == {"MODEL": str(tmp_path)}
+    assert f"{tmp_path}:/src/model:ro" in export["volumes"] and export["environment"]["MODEL"] == str(tmp_path)
     relative = resolved(MODEL="./model_repository")["services"]["model-export"]  # relative to docker-compose.yml
     assert f"{ROOT / 'model_repository'}:/src/model:ro" in relative["volumes"]
     # the export image's command exports /src/model only when MODEL is set

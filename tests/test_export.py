@@ -28,7 +28,7 @@ def test_export_writes_checked_artifacts_and_skips_when_up_to_date(tmp_path, ref
     export's check), and a second export of an unchanged model writes nothing."""
     repo = copy_configs(tmp_path / "repo")
     model = exporter.default_model_path()
-    manifest = exporter.export(model, repo)
+    manifest = exporter.export(model, repo, precision="fp32")
     assert manifest.dim == 384 and manifest.max_seq_length == 256 and manifest.pooling == "mean"
     module = torch.jit.load(str(repo / "encoder" / "1" / "model.pt"))
     sentences = ["A man is playing a guitar.", "hello"]
@@ -39,10 +39,10 @@ def test_export_writes_checked_artifacts_and_skips_when_up_to_date(tmp_path, ref
     tokenizer = json.loads((repo / "tokenizer" / "1" / "tokenizer.json").read_text())
     assert tokenizer["truncation"]["max_length"] == 256
 
-    assert exporter.is_up_to_date(model, repo)
+    assert exporter.is_up_to_date(model, repo, "fp32")
     mtime = (repo / "encoder" / "1" / "model.pt").stat().st_mtime
     time.sleep(0.01)
-    exporter.export(model, repo)
+    exporter.export(model, repo, precision="fp32")
     assert (repo / "encoder" / "1" / "model.pt").stat().st_mtime == mtime
 
 

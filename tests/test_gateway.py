@@ -109,7 +109,7 @@ def test_models_health_and_ready(gateway):
     with urllib.request.urlopen(f"{gateway}/v1/models", timeout=10) as response:
         (model,) = json.loads(response.read())["data"]
     assert model["id"] == "embed" and model["dimension"] == 384 and model["max_batch_size"] == 64
-    assert model["max_tokens"] == 256
+    assert model["max_tokens"] == 256 and model["precision"] == "fp32"  # make test exports the reference at fp32
     for path in ("/health", "/ready"):
         with urllib.request.urlopen(f"{gateway}{path}", timeout=10) as response:
             assert response.status == 200

@@ -63,13 +63,28 @@ def test_served_embeddings_equal_in_process_ones(dry_run):
     assert not [c for c in data["checks"] if c["ok"] is False], data["checks"]
 
 
+def test_fp16_is_exported_for_the_gpu_config_and_checked_against_fp32(dry_run):
+    data = json.loads((dry_run[1] / "gpu_check.json").read_text())
+    assert data["export"]["manifest"]["precision"] == "fp32"
+    fp16 = data["export"]["manifest_fp16"]
+    assert fp16["precision"] == fp16["precision_asked"] == "fp16" and fp16["min_cosine"] >= 0.9999
+    assert data["fp16"]["worst_vs_fp32"] >= 0.9999 and data["fp16"]["worst_vs_eager_fp16"] >= 0.9999
+    assert set(data["fp16"]["vs_fp32"]) == set(data["runner"]["vs_eager"])  # every bucket
+    assert data["served-fp16"]["precision"] == "fp16" and data["served-fp16"]["equality"]["max_abs_diff"] < 1e-3
+
+
 def test_summary_has_the_rows_a_user_checks(dry_run):
     table = (dry_run[1] / "gpu_check.md").read_text()
     for row in (
         "| export with the project's exporter",
-        "| device constants in the written model.pt | PASS |",
+        "| device constants in the written model.pt files | PASS |",
         "vs each row on the CPU, same file | PASS |",
-        "| served (one text per request) vs in-process, same file and device | PASS |",
+        "| served at fp32 (one text per request) vs in-process, same file and device | PASS |",
+        "| served at fp16 (one text per request) vs in-process, same file and device | PASS |",
+        "| PRECISION=auto for the GPU config: fp16 through the exporter's gate",
+        "| fp16 vs fp32 bucketed eager, same batches, per bucket (min cosine) | PASS |",
+        "| batch x 32 tokens | fp32 texts/s | fp16 texts/s | fp16 / fp32 |",
+        "| served `embed` at fp16, one text per request, p99 <= 200 ms |",
         "| graph / eager throughput, batch <= 8 at 32 tokens (lowest) |",
         "| in-process: tokenizer + runner, batches of 4 |",
         "| served `embed`, one text per request, p99 <= 20 ms |",

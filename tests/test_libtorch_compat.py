@@ -44,15 +44,14 @@ def scratch_python() -> Path:
     return python
 
 
-def test_artifact_runs_in_the_libtorch_of_triton_24_10():
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1000, 29000, size=(4, 23)).astype(np.int64)
-    mask = np.ones_like(ids)
-    mask[1, 7:] = 0
-    mask[3, 1:] = 0
-    ids[mask == 0] = 0
+def in_libtorch_24_10(script: str, *args, ids: np.ndarray, mask: np.ndarray) -> dict:
+    """Run ``script`` (reads ``[ids, mask]`` as JSON on stdin, prints one JSON line with ``torch``) in torch 2.5.0.
+
+    Returns:
+        The script's last line, parsed, after checking it ran in torch 2.5.0.
+    """
     done = subprocess.run(
-        [scratch_python(), "-c", RUN, MODEL],
+        [scratch_python(), "-c", script, *map(str, args)],
         input=json.dumps([ids.tolist(), mask.tolist()]),
         capture_output=True,
         text=True,
@@ -62,6 +61,17 @@ def test_artifact_runs_in_the_libtorch_of_triton_24_10():
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["torch"].startswith("2.5.0"), result["torch"]
+    return result
+
+
+def test_artifact_runs_in_the_libtorch_of_triton_24_10():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 29000, size=(4, 23)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[3, 1:] = 0
+    ids[mask == 0] = 0
+    result = in_libtorch_24_10(RUN, MODEL, ids=ids, mask=mask)
     with torch.no_grad():
         ours = torch.jit.load(str(MODEL)).eval()(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
     theirs = np.asarray(result["embedding"], dtype=np.float32)

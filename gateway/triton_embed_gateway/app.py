@@ -179,6 +179,7 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
         model = {
             "id": settings.served_model, "object": "model", "created": 0, "owned_by": "triton-embed",
             "dimension": info.dim, "max_tokens": info.max_tokens, "max_batch_size": info.max_batch_size,
+            "precision": info.precision,
         }  # fmt: skip
         return json_response({"object": "list", "data": [model]})
 

@@ -24,6 +24,7 @@ from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, Vector
 TEXT, PROMPT_NAME, TRUNCATE = "TEXT", "PROMPT_NAME", "TRUNCATE"
 EMBEDDING, TOKEN_COUNT = "EMBEDDING", "TOKEN_COUNT"
 TOKENIZER, TOKENIZER_COUNT = "tokenizer", "token_count"  # the ensemble's first step and its output
+ENCODER = "encoder"  # the ensemble's second step, whose PRECISION parameter make model sets
 RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
 _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
@@ -35,12 +36,14 @@ class ModelInfo:
     """The served ensemble.
 
     ``max_batch_size``: texts per Triton request; ``dim``: embedding width; ``max_tokens``: the model's
-    max_seq_length, from the tokenizer's ``MAX_SEQ_LENGTH`` (None without it).
+    max_seq_length, from the tokenizer's ``MAX_SEQ_LENGTH`` (None without it); ``precision``: what the encoder
+    computes at (``fp32``, ``bf16``, ``fp16``), from the encoder's ``PRECISION`` (None without it).
     """
 
     max_batch_size: int
     dim: int
     max_tokens: int | None = None
+    precision: str | None = None
 
 
 def _status(exc: InferenceServerException) -> str:
@@ -111,11 +114,15 @@ class TritonEmbedder:
             try:
                 config = (await self._client.get_model_config(self.model, as_json=True, client_timeout=5))["config"]
                 tokenizer = (await self._client.get_model_config(TOKENIZER, as_json=True, client_timeout=5))["config"]
+                encoder = (await self._client.get_model_config(ENCODER, as_json=True, client_timeout=5))["config"]
             except InferenceServerException as exc:
                 raise api_error(exc) from exc
             dims = next(o["dims"] for o in config["output"] if o["name"] == EMBEDDING)
             limit = tokenizer.get("parameters", {}).get("MAX_SEQ_LENGTH", {}).get("string_value")
-            self._info = ModelInfo(int(config["max_batch_size"]), int(dims[-1]), int(limit) if limit else None)
+            precision = encoder.get("parameters", {}).get("PRECISION", {}).get("string_value")
+            self._info = ModelInfo(
+                int(config["max_batch_size"]), int(dims[-1]), int(limit) if limit else None, precision or None
+            )
         return self._info
 
     async def ready(self) -> bool:

@@ -160,6 +160,13 @@ class TritonPythonModel:
             flood_ns = int(config_number(params, "FLOOD_LATENCY_MS", "0") * 1e6)
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
+        precision = manifest.get("precision", "fp32")
+        configured = params.get("PRECISION", precision)
+        if configured != precision:
+            raise pb_utils.TritonModelException(
+                f"config parameter PRECISION is {configured!r} but {module_path} computes at {precision!r} "
+                f"({manifest_path.name}): run `make model` (it sets both)"
+            )
         torch.set_num_threads(threads)
 
         if args.get("model_instance_kind") == "GPU":
@@ -172,6 +179,12 @@ class TritonPythonModel:
         except BucketConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
         module = load_module(module_path, device)
+        pb_utils.Logger.log_info(
+            f"{args['model_name']} (instance {args['model_instance_name']}): {manifest.get('model_type', '?')} at "
+            f"{precision} ({manifest.get('precision_reason', 'fp32')}; min cosine to fp32 sentence-transformers "
+            f"{manifest.get('min_cosine', 1.0):.7f}), {manifest.get('attention', '?')} attention, "
+            f"dim {manifest['dim']}, max_seq_length {self.max_seq_length}, on {device}"
+        )
         self._metrics = _BucketMetrics(args["model_name"])
         self.runner = BucketedRunner(
             module,

@@ -6,8 +6,10 @@ checks that of a saved module without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -115,8 +117,37 @@ def describe(st_model, model_path: Path) -> dict:
 
 
 ATTENTION = "sdpa"
-"""transformers' attention implementation the export traces: 1.0-1.6x eager's speed on CPU, and memory linear in
-the length where eager's grows with its square (docs/benchmarks.md, "Attention implementation")."""
+"""transformers' attention implementation the export traces: 0.9x eager's speed on short sentences, 1.3-1.6x at 256
+tokens, memory linear in the length (docs/benchmarks.md, "Attention implementation")."""
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Precisions an exported module computes at: its matrix products' input dtype (outputs are always float32)."""
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def traced_at(precision: str) -> Iterator[None]:
+    """Trace inside this to record ``precision`` in the module: CPU autocast to bf16 or fp16 (nothing for fp32).
+
+    Autocast casts each matrix product's inputs to the reduced dtype and keeps reductions (softmax, layer norm,
+    pooling sums) in float32. With the JIT's own autocast pass off, the trace records those casts as ``aten::to``
+    nodes with a dtype and no device, so the module runs at that precision on the CPU and on a GPU alike.
+
+    Raises:
+        ValueError: ``precision`` is not one of ``PRECISIONS``.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; supported: {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        yield
+        return
+    jit_autocast = torch._C._jit_set_autocast_mode(False)
+    try:
+        with torch.autocast("cpu", dtype=_DTYPES[precision]):
+            yield
+    finally:
+        torch._C._jit_set_autocast_mode(jit_autocast)
 
 
 def remote_code_problem(transformer_path: Path) -> str | None:
@@ -149,13 +180,13 @@ def _transformers_version() -> str:
 
 
 def build_traced_encoder(
-    st_model, model_path: Path, *, attention: str = ATTENTION
+    st_model, model_path: Path, *, attention: str = ATTENTION, precision: str = "fp32"
 ) -> tuple[torch.jit.ScriptModule, dict]:
     """Trace :class:`PooledEncoder` for the model in ``model_path``, device-portable.
 
     The transformer is reloaded with ``attn_implementation=attention`` (``eager`` for a family that has no SDPA
-    implementation), tuple outputs and no KV cache, traced once
-    under ``torch.no_grad()`` at (2, 16) with one padded row, and :func:`follow_input_device` applied.
+    implementation), tuple outputs and no KV cache, traced once under ``torch.no_grad()`` and
+    :func:`traced_at` ``precision`` at (2, 16) with one padded row, and :func:`follow_input_device` applied.
 
     Returns:
         (traced module in eval mode on CPU, :func:`describe` output plus ``vocab_size``, ``model_type`` and
@@ -184,7 +215,7 @@ def build_traced_encoder(
     example_ids = torch.randint(vocab // 2, vocab, (2, 16), dtype=torch.int64)
     example_mask = torch.ones_like(example_ids)
     example_mask[1, 9:] = 0
-    with torch.no_grad():
+    with torch.no_grad(), traced_at(precision):
         traced = torch.jit.trace(wrapper, (example_ids, example_mask), check_trace=False)
     follow_input_device(traced)
     return traced.eval(), info

@@ -27,6 +27,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from triton_embed_server import precision as precision_rules
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 BUCKETS_FILE = REPO_ROOT / "python_backends" / "torchscript" / "buckets.py"
@@ -83,6 +85,10 @@ class ExportManifest:
         max_abs_diff: measured worst |served - sentence-transformers| over ``CHECK_TEXTS``.
         model_type: the transformer's architecture, transformers' ``model_type`` (``bert``, ``qwen3``, ...).
         attention: the attention implementation traced, ``sdpa`` or ``eager``.
+        precision: what the module computes at, ``fp32``, ``bf16`` or ``fp16`` (``encoder_module.PRECISIONS``).
+        precision_asked: what ``precision.choose`` chose before the gate (``precision`` is fp32 if it failed).
+        precision_reason: the choice's one-line reason.
+        min_cosine: the served module's lowest cosine to fp32 sentence-transformers over the calibration texts.
     """
 
     source: str
@@ -95,6 +101,10 @@ class ExportManifest:
     max_abs_diff: float
     model_type: str
     attention: str
+    precision: str
+    precision_asked: str
+    precision_reason: str
+    min_cosine: float
 
 
 def default_model_path() -> Path:
@@ -117,13 +127,18 @@ def source_digest(model_path: Path) -> str:
 def exporter_digest() -> str:
     """sha256 of the exporter's sources (this file, the module wrapper and the bucket rules it writes)."""
     h = hashlib.sha256()
-    for path in (Path(__file__).parent / "export.py", Path(__file__).parent / "encoder_module.py", BUCKETS_FILE):
+    here = Path(__file__).parent
+    for path in (here / "export.py", here / "encoder_module.py", here / "precision.py", BUCKETS_FILE):
         h.update(path.read_bytes())
+    h.update(precision_rules.CALIBRATION_FILE.read_bytes())
     return h.hexdigest()
 
 
-def is_up_to_date(model_path: Path, repository: Path) -> bool:
-    """True when the artifacts exist and the manifest names the same source and exporter."""
+def is_up_to_date(model_path: Path, repository: Path, precision: str = "fp32") -> bool:
+    """True when the artifacts exist and the manifest names the same source, exporter and chosen ``precision``.
+
+    The chosen precision is the one before the gate: an fp32 fallback from bf16 is up to date for bf16.
+    """
     manifest = repository / "encoder" / "1" / MANIFEST_NAME
     if not all((repository / name).is_file() for name in ARTIFACTS):
         return False
@@ -132,6 +147,7 @@ def is_up_to_date(model_path: Path, repository: Path) -> bool:
         old.get("source") == str(model_path)
         and old.get("source_digest") == source_digest(model_path)
         and old.get("exporter_digest") == exporter_digest()
+        and old.get("precision_asked") == precision
     )
 
 
@@ -183,13 +199,16 @@ def _bucket_block(block: str, max_seq_length: int) -> str:
     return ",\n".join(lines) + "\n"
 
 
-def set_config_dims(repository: Path, dim: int, max_seq_length: int | None = None) -> list[Path]:
-    """Set the embedding width, the token limit and the length buckets in every config that declares them.
+def set_config_dims(
+    repository: Path, dim: int, max_seq_length: int | None = None, precision: str | None = None
+) -> list[Path]:
+    """Set the embedding width, the token limit, the length buckets and the precision in every config declaring them.
 
     The width is a ``dims: [ N ]`` on an ``# embedding-dim`` line; the limit, a ``string_value`` on a line marked
     ``# max-seq-length``; the buckets, a ``graph_spec`` list of one batch size (the CPU config's), whose lengths
-    become ``buckets.bucket_lengths(max_seq_length)`` (8 ... max_seq_length). The limit and the buckets are set only
-    when ``max_seq_length`` is given.
+    become ``buckets.bucket_lengths(max_seq_length)`` (8 ... max_seq_length); the precision, a ``string_value`` on a
+    line marked ``# precision``. The limit and the buckets are set only when ``max_seq_length`` is given, the
+    precision when ``precision`` is.
 
     Returns:
         The config files that changed (empty when they already said ``dim`` and ``max_seq_length``).
@@ -197,46 +216,71 @@ def set_config_dims(repository: Path, dim: int, max_seq_length: int | None = Non
     changed = []
     pattern = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
     limit = re.compile(r'string_value: "\d+" \}(\s*# max-seq-length)')
+    served_at = re.compile(r'string_value: "\w*" \}(\s*# precision)')
     for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
         text = cfg.read_text()
         new = pattern.sub(rf"dims: [ {dim} ]\1", text)
         if max_seq_length is not None:
             new = limit.sub(rf'string_value: "{max_seq_length}" }}\1', new)
             new = _BUCKET_BLOCK.sub(lambda m: _bucket_block(m[0], max_seq_length), new)
+        if precision is not None:
+            new = served_at.sub(rf'string_value: "{precision}" }}\1', new)
         if new != text:
             cfg.write_text(new)
             changed.append(cfg)
     return changed
 
 
-def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, force: bool = False) -> ExportManifest:
+def export(
+    model_path: Path,
+    repository: Path = DEFAULT_MODEL_REPOSITORY,
+    *,
+    force: bool = False,
+    precision: str = "auto",
+    device: str = "cpu",
+    min_cosine: float = precision_rules.DEFAULT_MIN_COSINE,
+    corpus: Path | None = None,
+) -> ExportManifest:
     """Trace, check and write the encoder and tokenizer artifacts for ``model_path``.
+
+    The module is traced at fp32 first and must equal sentence-transformers within ``MAX_ABS_DIFF`` on
+    ``CHECK_TEXTS``; then, when the chosen precision (``precision.choose``) is bf16 or fp16, traced again at it, and
+    served at it only if its embeddings of the calibration texts (``precision.calibration_texts`` of ``corpus``, plus
+    ``CHECK_TEXTS``) all reach ``min_cosine`` to fp32 sentence-transformers'. Below that, ``auto`` serves fp32 and
+    says so on stderr; an explicit precision fails.
 
     Args:
         model_path: a sentence-transformers folder (``modules.json``: Transformer, Pooling[, Normalize]); the
             transformer any transformers architecture that runs without code of the model's own.
         repository: the model repository to write into.
         force: export even when the manifest says the artifacts are up to date.
+        precision: one of ``precision.CHOICES``.
+        device: ``cpu`` or ``gpu``, where the served config runs (what ``auto`` picks for).
+        min_cosine: the gate, a cosine in (0, 1].
+        corpus: the user's texts, one per line, added to the calibration texts.
 
     Returns:
         The manifest that was written (or the existing one when up to date).
 
     Raises:
-        ExportCheckError: the exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or the
-            module holds a device constant or fails to run with weights and inputs on the ``meta`` device.
-        ValueError: the model's pooling is not one of ``encoder_module.POOLINGS``, its tokenizer is not a fast one, or
-            it needs code of its own (``encoder_module.remote_code_problem``).
+        ExportCheckError: the fp32 module differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, a module
+            holds a device constant or fails to run with weights and inputs on the ``meta`` device, or an explicit
+            reduced precision falls below ``min_cosine``.
+        ValueError: the model's pooling is not one of ``encoder_module.POOLINGS``, its tokenizer is not a fast one,
+            it needs code of its own (``encoder_module.remote_code_problem``), or ``precision``, ``device`` or
+            ``min_cosine`` is out of range.
     """
+    if not 0 < min_cosine <= 1:
+        raise ValueError(f"min_cosine must be in (0, 1]; got {min_cosine}")
+    choice = precision_rules.choose(precision, device, precision_rules.cpu_flags())
     manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
-    if not force and is_up_to_date(model_path, repository):
+    if not force and is_up_to_date(model_path, repository, choice.precision):
         return ExportManifest(**json.loads(manifest_path.read_text()))
 
-    import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
-    from tokenizers import Tokenizer
 
-    from triton_embed_server.encoder_module import build_traced_encoder, device_problems, remote_code_problem
+    from triton_embed_server.encoder_module import remote_code_problem
 
     modules = json.loads((model_path / "modules.json").read_text())
     problem = remote_code_problem(model_path / modules[0].get("path", ""))
@@ -244,22 +288,93 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
         raise ValueError(f"{model_path}: {problem}; {SERVED}")
     torch.manual_seed(0)
     st = SentenceTransformer(str(model_path), device="cpu")
-    traced, info = build_traced_encoder(st, model_path)
+    traced, info = _traced(st, model_path, "fp32")
+    tokenizer = _served_tokenizer(st, model_path, info["max_seq_length"])
+    max_abs_diff = _check_exact(st, tokenizer, traced)
+    calibration = [*precision_rules.calibration_texts(corpus), *CHECK_TEXTS]
+    served, worst_cosine = "fp32", _min_cosine(st, tokenizer, traced, calibration)
+    if choice.precision != "fp32":
+        reduced, _ = _traced(st, model_path, choice.precision)
+        reduced_cosine = _min_cosine(st, tokenizer, reduced, calibration)
+        figure = (
+            f"{choice.precision} reaches a min cosine of {reduced_cosine:.7f} to fp32 sentence-transformers over "
+            f"{len(calibration)} calibration texts, below the gate {min_cosine:g}"
+        )
+        if reduced_cosine >= min_cosine:
+            traced, served, worst_cosine = reduced, choice.precision, reduced_cosine
+        elif precision == "auto":
+            print(f"precision: {figure}: serving fp32", file=sys.stderr)
+        else:
+            raise ExportCheckError(f"{figure} (MIN_COSINE): export at fp32 or lower the gate")
+
+    manifest = ExportManifest(
+        source=str(model_path),
+        source_digest=source_digest(model_path),
+        exporter_digest=exporter_digest(),
+        dim=info["dim"],
+        max_seq_length=info["max_seq_length"],
+        vocab_size=info["vocab_size"],
+        pooling=info["pooling"],
+        max_abs_diff=max_abs_diff,
+        model_type=info["model_type"],
+        attention=info["attention"],
+        precision=served,
+        precision_asked=choice.precision,
+        precision_reason=choice.reason,
+        min_cosine=worst_cosine,
+    )
+    _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
+    prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
+    _atomic_write(repository / "tokenizer" / "1" / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
+    _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
+    _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
+    for cfg in set_config_dims(repository, manifest.dim, manifest.max_seq_length, manifest.precision):
+        print(f"set the model's values in {cfg.relative_to(repository.parent)}", file=sys.stderr)
+    return manifest
+
+
+def _traced(st, model_path: Path, precision: str):
+    """``encoder_module.build_traced_encoder`` at ``precision``, refused when pinned to a device.
+
+    Raises:
+        ExportCheckError: the module holds a device constant or fails the ``meta`` run.
+    """
+    from triton_embed_server.encoder_module import build_traced_encoder, device_problems
+
+    traced, info = build_traced_encoder(st, model_path, precision=precision)
     pinned = device_problems(traced)
     if pinned:
         raise ExportCheckError(f"exported encoder is pinned to one device: {'; '.join(pinned)}; {SERVED}")
+    return traced, info
+
+
+def _served_tokenizer(st, model_path: Path, max_seq_length: int):
+    """The model's fast tokenizer as the tokenizer step loads it.
+
+    Truncation at ``max_seq_length``; padding on only to carry the pad id and token (the backend switches it off and
+    pads itself).
+
+    Raises:
+        ValueError: the tokenizer is not a fast (``tokenizers``) one.
+    """
     hf_tok = st.tokenizer
     if not getattr(hf_tok, "is_fast", False):
         raise ValueError(f"{model_path}: tokenizer is not a fast (tokenizers) tokenizer; only fast ones can be served")
-    tokenizer: Tokenizer = hf_tok.backend_tokenizer
-    tokenizer.enable_truncation(max_length=info["max_seq_length"])
-    # Padding stays in the file only to carry pad_id/pad_token to the backend, which switches it off and pads itself.
+    tokenizer = hf_tok.backend_tokenizer
+    tokenizer.enable_truncation(max_length=max_seq_length)
     tokenizer.enable_padding(pad_id=hf_tok.pad_token_id, pad_token=hf_tok.pad_token)
+    return tokenizer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tok_file = Path(tmp) / "tokenizer.json"
-        tokenizer.save(str(tok_file))
-        served = _embed_like_server(Tokenizer.from_file(str(tok_file)), traced, CHECK_TEXTS)
+
+def _check_exact(st, tokenizer, traced) -> float:
+    """The worst |served - sentence-transformers| over ``CHECK_TEXTS``, all in one batch as one request sends them.
+
+    Raises:
+        ExportCheckError: it is ``MAX_ABS_DIFF`` or more.
+    """
+    import numpy as np
+
+    served = _embed_like_server(_copy(tokenizer), traced, CHECK_TEXTS)
     # prompt="": the check compares the encoder on the texts themselves; the tokenizer step adds prompts
     reference = st.encode(
         CHECK_TEXTS, prompt="", normalize_embeddings=True, convert_to_numpy=True, batch_size=len(CHECK_TEXTS)
@@ -274,27 +389,31 @@ def export(model_path: Path, repository: Path = DEFAULT_MODEL_REPOSITORY, *, for
             f"{int((diff >= MAX_ABS_DIFF).sum())} of {len(CHECK_TEXTS)} texts over the limit; this model's type is "
             f"'{getattr(config, 'model_type', '?')}'; {SERVED}"
         )
+    return float(diff.max())
 
-    manifest = ExportManifest(
-        source=str(model_path),
-        source_digest=source_digest(model_path),
-        exporter_digest=exporter_digest(),
-        dim=info["dim"],
-        max_seq_length=info["max_seq_length"],
-        vocab_size=info["vocab_size"],
-        pooling=info["pooling"],
-        max_abs_diff=float(diff.max()),
-        model_type=info["model_type"],
-        attention=info["attention"],
-    )
-    _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
-    prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
-    _atomic_write(repository / "tokenizer" / "1" / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
-    _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
-    _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
-    for cfg in set_config_dims(repository, manifest.dim, manifest.max_seq_length):
-        print(f"set the embedding width to {manifest.dim} in {cfg.relative_to(repository.parent)}", file=sys.stderr)
-    return manifest
+
+def _min_cosine(st, tokenizer, traced, texts: list[str], batch_size: int = 32) -> float:
+    """The lowest cosine between ``traced``'s embedding of a text and fp32 sentence-transformers', over ``texts``.
+
+    The texts run in batches of ``batch_size`` sorted by length, as the served encoder's length-sorted chunks run.
+    """
+    import numpy as np
+
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    copy = _copy(tokenizer)
+    parts = [_embed_like_server(copy, traced, [texts[i] for i in order[k : k + batch_size]])
+             for k in range(0, len(order), batch_size)]  # fmt: skip
+    served = np.empty((len(texts), parts[0].shape[1]), dtype=np.float32)
+    served[order] = np.concatenate(parts)
+    reference = st.encode(texts, prompt="", normalize_embeddings=True, convert_to_numpy=True, batch_size=batch_size)
+    return float((served * reference).sum(axis=1).min())
+
+
+def _copy(tokenizer):
+    """A fresh ``tokenizers.Tokenizer`` equal to ``tokenizer`` (``_embed_like_server`` switches its padding off)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer.to_str())
 
 
 def tokenize_like_server(tokenizer, texts: list[str], pad_id: int = 0):
@@ -371,7 +490,7 @@ def check_model_folder(path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m triton_embed_server.export [--model PATH|default] [--repository DIR] [--force]``."""
+    """``python -m triton_embed_server.export [--model PATH|default] [--precision P] [--device D] ...``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model",
@@ -380,14 +499,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--force", action="store_true", help="export even if the artifacts are up to date")
+    parser.add_argument(
+        "--precision",
+        choices=precision_rules.CHOICES,
+        default="auto",
+        help="what the encoder computes at; auto: fp16 for --device gpu, bf16 on a CPU with native bf16, else fp32",
+    )
+    parser.add_argument("--device", choices=precision_rules.DEVICES, default="cpu", help="where the config serves")
+    parser.add_argument(
+        "--min-cosine",
+        type=float,
+        default=precision_rules.DEFAULT_MIN_COSINE,
+        help="quality gate of a reduced precision: lowest cosine to fp32 sentence-transformers on any calibration text",
+    )
+    parser.add_argument("--corpus", type=Path, help="your texts, one per line: the first 512 join the calibration")
     args = parser.parse_args(argv)
     model_path, note = chosen_model(args.model, args.repository)
     problem = check_model_folder(model_path)
     if problem:
         parser.error(problem)
-    up_to_date = not args.force and is_up_to_date(model_path, args.repository)
+    if args.corpus is not None and not args.corpus.is_file():
+        parser.error(f"--corpus {args.corpus} is not a file")
+    choice = precision_rules.choose(args.precision, args.device, precision_rules.cpu_flags())
+    up_to_date = not args.force and is_up_to_date(model_path, args.repository, choice.precision)
     try:
-        manifest = export(model_path, args.repository, force=args.force)
+        manifest = export(
+            model_path,
+            args.repository,
+            force=args.force,
+            precision=args.precision,
+            device=args.device,
+            min_cosine=args.min_cosine,
+            corpus=args.corpus,
+        )
     except (ExportCheckError, ValueError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 1
@@ -395,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, {manifest.attention} "
         f"attention, dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling {manifest.pooling}, "
-        f"max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g})"
+        f"max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g} at fp32)"
+    )
+    print(
+        f"precision: {manifest.precision} ({manifest.precision_reason}), min cosine to fp32 sentence-transformers "
+        f"{manifest.min_cosine:.7f} over the calibration texts"
     )
     if note:
         print(f"model: {note}")
