@@ -5,12 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-# Model to export: empty = packaged all-MiniLM-L6-v2; or a sentence-transformers folder (make model MODEL=path).
+# Model to export: empty = the model exported last, else the packaged all-MiniLM-L6-v2; or a sentence-transformers
+# folder (make model MODEL=path); default = the packaged one.
 MODEL ?=
 # What the encoder computes at: auto (bf16 on a CPU with native bf16, else fp32), fp32, bf16 or fp16; a reduced
 # precision must reach MIN_COSINE to fp32 sentence-transformers on every calibration text (CORPUS's too, when given).
+# Each applies to the export it is given to: name PRECISION on every make model / make serve that should keep it.
 PRECISION ?= auto
-MIN_COSINE ?= 0.9999
+MIN_COSINE ?=
 # Embedded server binds loopback by default; HOST=0.0.0.0 opens it to the network.
 HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
@@ -18,6 +20,8 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 # The OpenAI/TEI HTTP gateway beside the server (0: none).
 GATEWAY_PORT ?= 8080
+# Seconds make serve waits for the model to be READY; a long max_seq_length warms up for minutes on a CPU.
+READY_TIMEOUT ?= 300
 PYTEST_ARGS ?=
 # make loadtest / loadtest-ui / capacity: where the server is and how hard to push (defaults fit a 2-core machine).
 TRITON_HOST ?= 127.0.0.1
@@ -43,21 +47,22 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-# Re-exports only when the source model or the exporter changed (checked in export.py, before torch loads).
+# Re-exports only when the source model, the exporter, the chosen precision or a given gate changed (export.py checks,
+# before torch loads).
 # Without MODEL: the model exported last (make model MODEL=... once, then make serve serves it); MODEL=default: the
 # packaged all-MiniLM-L6-v2.
 model: install
 	$(PY) -m triton_embed_server.export $(if $(MODEL),--model "$(MODEL)") --precision $(PRECISION) \
-		--min-cosine $(MIN_COSINE) $(if $(CORPUS),--corpus "$(CORPUS)")
+		$(if $(MIN_COSINE),--min-cosine $(MIN_COSINE)) $(if $(CORPUS),--corpus "$(CORPUS)")
 
-# The packaged all-MiniLM-L6-v2 at fp32, whatever was exported before: the tests and the benchmark compare the served
-# embeddings with sentence-transformers' to 1e-5 (tests/test_precision.py and bench's triton-auto serve bf16).
+# The packaged all-MiniLM-L6-v2 at fp32, whatever was exported before: the tests compare the served embeddings with
+# sentence-transformers' to 1e-5; the bf16 tests and bench's triton-auto export copies of their own.
 reference-model: install
 	$(PY) -m triton_embed_server.export --model default --precision fp32
 
 serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT)
+		--metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) --ready-timeout $(READY_TIMEOUT)
 
 # Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server.
 test: reference-model system-deps

@@ -6,9 +6,8 @@ minutes):
 1. builds a sentence-transformers folder of all-MiniLM-L6-v2's architecture with random weights (config and tokenizer
    files from ``make gpu-carry``; the trained weights do not travel, and speed does not depend on them) and exports
    it with the project's exporter (``triton_embed_server.export.export``, its self-check included) into a copy of
-   ``model_repository``;
-   at fp32, and again at fp16 (``PRECISION=fp16``, the GPU configs' default, through its quality gate) into a second
-   copy;
+   ``model_repository`` at fp32, and with ``PRECISION=auto`` for the GPU config (fp16, through its quality gate) into
+   a second copy;
 2. loads the written ``model.pt`` through ``runners.load_module`` on the GPU; per bucket of the default grid
    (batch 1..64 x length 16..256), graph replay of a ragged batch must equal each row run alone, eagerly on the GPU
    and on the CPU from the same file (max abs diff < 1e-3); graph vs eager throughput per batch at length 32

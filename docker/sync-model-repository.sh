@@ -47,7 +47,8 @@ repository = Path(sys.argv[1])
 manifest = json.loads((repository / "encoder" / "1" / "export.json").read_text())
 dim = manifest["dim"]
 for config in set_config_dims(repository, dim, manifest["max_seq_length"], manifest.get("precision", "fp32")):
-    print(f"sync-model-repository: embedding width {dim} in {config.relative_to(repository)}", file=sys.stderr)
+    where = config.relative_to(repository)
+    print(f"sync-model-repository: the model's values (width {dim}) in {where}", file=sys.stderr)
 PY
 find "$dest" -mindepth 1 -delete
 cp -R "$stage"/. "$dest"/

@@ -90,7 +90,8 @@ def test_model_given_to_the_export_is_exported_and_served_with_its_width(tmp_pat
     before = {p: p.stat().st_mtime_ns for p in source.rglob("*")}
     models, done = sync_model_repository(tmp_path / "sync", model=source)
     assert done.returncode == 0, done.stderr
-    assert json.loads((models / "encoder" / "1" / "export.json").read_text())["dim"] == 48
+    manifest = json.loads((models / "encoder" / "1" / "export.json").read_text())
+    assert manifest["dim"] == 48 and manifest["precision"] == "fp16"  # auto, for the GPU configs compose serves
     widths = embedding_widths(models)
     assert len(widths) == len(embedding_widths(ROOT / "model_repository")) >= 4 and set(widths.values()) == {48}
     assert set(embedding_widths(ROOT / "model_repository").values()) == {384}  # the host's configs untouched
@@ -120,7 +121,7 @@ def test_without_model_the_host_configs_get_the_packaged_models_width(tmp_path):
     models, done = sync_model_repository(tmp_path, configs=configs)
     assert done.returncode == 0, done.stderr
     assert set(embedding_widths(models).values()) == {384} and set(embedding_widths(configs).values()) == {768}
-    assert "embedding width 384 in encoder/configs/gpu.pbtxt" in done.stderr
+    assert "the model's values (width 384) in encoder/configs/gpu.pbtxt" in done.stderr
 
 
 def test_healthcheck_passes_on_a_ready_server_and_fails_without_one(compose_server):

@@ -397,6 +397,14 @@ def test_a_gpu_only_in_the_gpu_overlay_and_cpu_and_memory_in_both(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_init_container_exports_for_the_config_the_overlay_serves(overlay):
+    """The image's artifact is fp16, for the GPU config: the gpu overlay serves it as built, the cpu overlay exports
+    again at PRECISION=auto for the CPU (bf16 with native bf16, else fp32), as docker/sync-model-repository.sh reads."""
+    env = {e["name"]: e["value"] for e in container(pod_spec(overlay), "model-export")["env"]}
+    assert (env["PRECISION"], env.get("EXPORT_DEVICE", "gpu")) == (("", "gpu") if overlay == "gpu" else ("auto", "cpu"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_run_as_the_images_non_root_user_with_compose_shared_memory(overlay):
     spec = pod_spec(overlay)
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000

@@ -96,7 +96,8 @@ def test_below_the_gate_auto_serves_fp32_and_an_explicit_precision_fails(tmp_pat
     fallback = [line for line in lines if line.startswith("precision:")]
     assert len(fallback) == 1 and "below the gate 1: serving fp32" in fallback[0], lines
     assert 'string_value: "fp32" }  # precision' in (repo / "encoder" / "config.pbtxt").read_text()
-    assert exporter.is_up_to_date(model, repo, "fp16")  # the fallback is the answer for fp16 until something changes
+    assert exporter.is_up_to_date(model, repo, "fp16", exporter.gate_key(1.0))  # the answer for fp16 at this gate
+    assert not exporter.is_up_to_date(model, repo, "fp16", exporter.gate_key(0.999))  # a new gate: export again
     with pytest.raises(exporter.ExportCheckError, match=r"bf16 reaches a min cosine of 0\.\d+ .* below the gate 1 "):
         exporter.export(model, repo, force=True, precision="bf16", min_cosine=1.0)
     assert json.loads((repo / "encoder" / "1" / "export.json").read_text())["precision"] == "fp32"  # nothing written
@@ -105,7 +106,7 @@ def test_below_the_gate_auto_serves_fp32_and_an_explicit_precision_fails(tmp_pat
 def test_the_cli_names_a_bad_gate_and_a_missing_corpus(tmp_path, capsys):
     model = str(exporter.default_model_path())
     assert exporter.main(["--model", model, "--repository", str(tmp_path), "--min-cosine", "1.5"]) == 1
-    assert "min_cosine must be in (0, 1]; got 1.5" in capsys.readouterr().err
+    assert "the precision gate (MIN_COSINE, --min-cosine) must be in (0, 1]; got 1.5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         exporter.main(["--model", model, "--repository", str(tmp_path), "--corpus", str(tmp_path / "none.txt")])
     assert f"--corpus {tmp_path / 'none.txt'} is not a file" in capsys.readouterr().err

@@ -12,8 +12,8 @@ The list comes from the model config's standard CUDA-graph fields, as TensorRT's
     } }
 
 and defaults to :func:`default_grid` when no ``graph_spec`` is given: ``DEFAULT_BATCH_SIZES x`` powers of two from
-16 up to the model's ``max_seq_length``, each bucket at most ``DEFAULT_MAX_TOKENS`` tokens. Buckets longer than
-``max_seq_length`` are dropped: no request reaches them. ``make model`` writes the CPU config's list with
+16 up to the model's ``max_seq_length``, each bucket past batch 1 at most ``DEFAULT_MAX_TOKENS`` tokens. Buckets
+longer than ``max_seq_length`` are dropped: no request reaches them. ``make model`` writes the CPU config's list with
 :func:`bucket_lengths`, so a long-context model's buckets reach its limit. This module is pure Python + NumPy (no
 torch, no Triton) so it is unit-tested directly.
 """

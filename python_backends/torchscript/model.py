@@ -164,8 +164,9 @@ class TritonPythonModel:
         configured = params.get("PRECISION", precision)
         if configured != precision:
             raise pb_utils.TritonModelException(
-                f"config parameter PRECISION is {configured!r} but {module_path} computes at {precision!r} "
-                f"({manifest_path.name}): run `make model` (it sets both)"
+                f"config parameter PRECISION is {configured!r} (fp32, bf16 or fp16) but {module_path} computes at "
+                f"{precision!r} ({manifest_path.name}): export again (make model; compose and Kubernetes: the "
+                "model-export step), which sets both"
             )
         torch.set_num_threads(threads)
 

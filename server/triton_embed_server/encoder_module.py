@@ -92,7 +92,7 @@ def describe(st_model, model_path: Path) -> dict:
         ``{"transformer_path": Path, "pooling": one of POOLINGS, "dim": int, "max_seq_length": int}``.
 
     Raises:
-        ValueError: another module layout (Dense layers, a non-BERT tokenizer module), an unsupported pooling, or
+        ValueError: another module layout (Dense layers, a tokenizer module of its own), an unsupported pooling, or
             pooling that leaves the prompt's tokens out.
     """
     modules = json.loads((model_path / "modules.json").read_text())

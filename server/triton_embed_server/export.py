@@ -1,6 +1,6 @@
 """Export a sentence-transformers model into the Triton model repository.
 
-Writes two artifacts, both git-ignored:
+Writes these artifacts, all git-ignored (``ARTIFACTS``):
 
 * ``encoder/1/model.pt``: TorchScript ``(input_ids int64 [B, T], attention_mask int64 [B, T]) -> float32 [B, dim]``
   doing the transformer, pooling over the mask and L2 normalisation.
@@ -8,11 +8,13 @@ Writes two artifacts, both git-ignored:
   sentence-transformers truncates) and padding switched off (the backends pad per request / per batch).
 * ``tokenizer/1/prompts.json``: the model's sentence-transformers ``prompts`` (name -> text put in front of a text)
   and ``default_prompt_name``, which the tokenizer applies.
+* ``encoder/1/export.json``: the :class:`ExportManifest`.
 
-Before anything is written, the exported pair (our tokenizer file + the traced module) is compared with
+Before anything is written, the exported pair (our tokenizer file + the traced module at fp32) is compared with
 ``SentenceTransformer.encode(..., normalize_embeddings=True)`` on texts of many lengths; a max abs difference of
 ``MAX_ABS_DIFF`` or more raises :class:`ExportCheckError` with the numbers. So does a module pinned to one device
-(``encoder_module.device_problems``): the same file serves on the CPU and on any GPU.
+(``encoder_module.device_problems``): the same file serves on the CPU and on any GPU. A module at bf16 or fp16 is
+written only through the precision gate (``precision.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 BUCKETS_FILE = REPO_ROOT / "python_backends" / "torchscript" / "buckets.py"
 MAX_ABS_DIFF = 1e-5
+LONG_CONTEXT_NOTE = 2048
+"""A max_seq_length above this gets a note on its load-time cost: 4,096 tokens warm up in ~46 s on 2 CPU cores for a
+ModernBERT-base-sized model (docs/benchmarks.md, "Long buckets")."""
 """Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
 MANIFEST_NAME = "export.json"
 TESTED_ARCHITECTURES = ("bert", "distilbert", "roberta", "xlm-roberta", "mpnet", "modernbert", "qwen3")
@@ -89,6 +94,7 @@ class ExportManifest:
         precision_asked: what ``precision.choose`` chose before the gate (``precision`` is fp32 if it failed).
         precision_reason: the choice's one-line reason.
         min_cosine: the served module's lowest cosine to fp32 sentence-transformers over the calibration texts.
+        gate: what the precision gate ran against (:func:`gate_key`): its bound and the corpus's digest.
     """
 
     source: str
@@ -105,6 +111,7 @@ class ExportManifest:
     precision_asked: str
     precision_reason: str
     min_cosine: float
+    gate: str
 
 
 def default_model_path() -> Path:
@@ -134,10 +141,23 @@ def exporter_digest() -> str:
     return h.hexdigest()
 
 
-def is_up_to_date(model_path: Path, repository: Path, precision: str = "fp32") -> bool:
-    """True when the artifacts exist and the manifest names the same source, exporter and chosen ``precision``.
+def gate_key(min_cosine: float, corpus: Path | None = None) -> str:
+    """What the precision gate ran against, as ``export.json`` records it: the bound and the corpus's sha256.
 
-    The chosen precision is the one before the gate: an fp32 fallback from bf16 is up to date for bf16.
+    Raises:
+        OSError: ``corpus`` cannot be read.
+    """
+    key = f"min_cosine {min_cosine:g}"
+    if corpus is not None:
+        key += f", corpus sha256 {hashlib.sha256(corpus.read_bytes()).hexdigest()}"
+    return key
+
+
+def is_up_to_date(model_path: Path, repository: Path, precision: str = "fp32", gate: str | None = None) -> bool:
+    """True when the artifacts exist and the manifest names the same source, exporter, precision and gate.
+
+    ``precision`` is the one chosen before the gate (an fp32 fallback from bf16 is up to date for bf16 until the
+    gate or the corpus changes); ``gate`` a :func:`gate_key`, None for any.
     """
     manifest = repository / "encoder" / "1" / MANIFEST_NAME
     if not all((repository / name).is_file() for name in ARTIFACTS):
@@ -148,6 +168,7 @@ def is_up_to_date(model_path: Path, repository: Path, precision: str = "fp32") -
         and old.get("source_digest") == source_digest(model_path)
         and old.get("exporter_digest") == exporter_digest()
         and old.get("precision_asked") == precision
+        and (gate is None or old.get("gate") == gate)
     )
 
 
@@ -211,7 +232,7 @@ def set_config_dims(
     precision when ``precision`` is.
 
     Returns:
-        The config files that changed (empty when they already said ``dim`` and ``max_seq_length``).
+        The config files that changed (empty when they already said all of it).
     """
     changed = []
     pattern = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
@@ -238,7 +259,7 @@ def export(
     force: bool = False,
     precision: str = "auto",
     device: str = "cpu",
-    min_cosine: float = precision_rules.DEFAULT_MIN_COSINE,
+    min_cosine: float | None = None,
     corpus: Path | None = None,
 ) -> ExportManifest:
     """Trace, check and write the encoder and tokenizer artifacts for ``model_path``.
@@ -256,8 +277,12 @@ def export(
         force: export even when the manifest says the artifacts are up to date.
         precision: one of ``precision.CHOICES``.
         device: ``cpu`` or ``gpu``, where the served config runs (what ``auto`` picks for).
-        min_cosine: the gate, a cosine in (0, 1].
+        min_cosine: the gate, a cosine in (0, 1]; None: ``precision.DEFAULT_MIN_COSINE``.
         corpus: the user's texts, one per line, added to the calibration texts.
+
+    An export is up to date (nothing is written) when the repository holds this model from this exporter at the
+    same chosen precision, and, when ``min_cosine`` or ``corpus`` is given, through the same gate: an export with a
+    ``CORPUS`` stays up to date for a later ``make serve`` that names none.
 
     Returns:
         The manifest that was written (or the existing one when up to date).
@@ -270,11 +295,14 @@ def export(
             it needs code of its own (``encoder_module.remote_code_problem``), or ``precision``, ``device`` or
             ``min_cosine`` is out of range.
     """
+    asked_gate = min_cosine is not None or corpus is not None
+    min_cosine = precision_rules.DEFAULT_MIN_COSINE if min_cosine is None else min_cosine
     if not 0 < min_cosine <= 1:
-        raise ValueError(f"min_cosine must be in (0, 1]; got {min_cosine}")
+        raise ValueError(f"the precision gate (MIN_COSINE, --min-cosine) must be in (0, 1]; got {min_cosine}")
     choice = precision_rules.choose(precision, device, precision_rules.cpu_flags())
+    gate = gate_key(min_cosine, corpus)
     manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
-    if not force and is_up_to_date(model_path, repository, choice.precision):
+    if not force and is_up_to_date(model_path, repository, choice.precision, gate if asked_gate else None):
         return ExportManifest(**json.loads(manifest_path.read_text()))
 
     import torch
@@ -322,6 +350,7 @@ def export(
         precision_asked=choice.precision,
         precision_reason=choice.reason,
         min_cosine=worst_cosine,
+        gate=gate,
     )
     _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
     prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
@@ -330,6 +359,13 @@ def export(
     _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
     for cfg in set_config_dims(repository, manifest.dim, manifest.max_seq_length, manifest.precision):
         print(f"set the model's values in {cfg.relative_to(repository.parent)}", file=sys.stderr)
+    if manifest.max_seq_length > LONG_CONTEXT_NOTE:
+        print(
+            f"note: max_seq_length {manifest.max_seq_length}: every bucket length up to it warms up at load, minutes "
+            "on a CPU (docs/configuration.md, 'Long context models'); make serve READY_TIMEOUT=... waits longer, and "
+            "max_seq_length in the model's sentence_bert_config.json serves less",
+            file=sys.stderr,
+        )
     return manifest
 
 
@@ -509,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--min-cosine",
         type=float,
-        default=precision_rules.DEFAULT_MIN_COSINE,
-        help="quality gate of a reduced precision: lowest cosine to fp32 sentence-transformers on any calibration text",
+        default=None,
+        help="quality gate of a reduced precision: lowest cosine to fp32 sentence-transformers on any calibration "
+        f"text (default {precision_rules.DEFAULT_MIN_COSINE})",
     )
     parser.add_argument("--corpus", type=Path, help="your texts, one per line: the first 512 join the calibration")
     args = parser.parse_args(argv)
@@ -521,7 +558,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.corpus is not None and not args.corpus.is_file():
         parser.error(f"--corpus {args.corpus} is not a file")
     choice = precision_rules.choose(args.precision, args.device, precision_rules.cpu_flags())
-    up_to_date = not args.force and is_up_to_date(model_path, args.repository, choice.precision)
+    gate = None  # no gate asked: any export at this precision is up to date, as export() decides
+    if args.min_cosine is not None or args.corpus is not None:
+        bound = precision_rules.DEFAULT_MIN_COSINE if args.min_cosine is None else args.min_cosine
+        gate = gate_key(bound, args.corpus)
+    up_to_date = not args.force and is_up_to_date(model_path, args.repository, choice.precision, gate)
     try:
         manifest = export(
             model_path,

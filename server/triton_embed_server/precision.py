@@ -1,8 +1,9 @@
 """Which precision the exported encoder computes at, and the quality gate it must pass.
 
-``make model PRECISION=auto`` (the default) picks by the hardware it detects, never by assumption:
+``make model PRECISION=auto`` (the default) picks by the config served and, on a CPU, by the hardware it detects:
 
-* for the GPU configs (compose, Kubernetes: ``--device gpu``): fp16, as every peer serves on GPUs;
+* for the GPU configs (compose, Kubernetes: ``--device gpu``): fp16, which every GPU that runs Triton 24.10 computes
+  natively (text-embeddings-inference and vLLM serve fp16 there too);
 * for the CPU config (``make serve``): bf16 where the CPU computes it natively (``avx512_bf16`` or ``amx_bf16`` in
   ``/proc/cpuinfo``), fp32 elsewhere, where torch's bf16 is far slower than fp32.
 
