@@ -1,6 +1,6 @@
 """GPU check of the real artifact: export, graph replay vs eager and CPU, served ensemble vs in-process, GPU monitor.
 
-One run on a CUDA machine (expected under 5 minutes on an H200; every phase has a time limit, the whole run 9
+One run on a CUDA machine (expected under 7 minutes on an H200; every phase has a time limit, the whole run 9
 minutes):
 
 1. builds a sentence-transformers folder of all-MiniLM-L6-v2's architecture with random weights (config and tokenizer
