@@ -169,14 +169,10 @@ def remote_code_problem(transformer_path: Path) -> str | None:
             "exporter does not run (trust_remote_code)"
         )
     if model_type not in CONFIG_MAPPING:
-        return f"model_type '{model_type}' is not an architecture of transformers {_transformers_version()}"
+        import transformers
+
+        return f"model_type '{model_type}' is not an architecture of transformers {transformers.__version__}"
     return None
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def build_traced_encoder(
