@@ -35,7 +35,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -124,6 +124,11 @@ bench-overload: reference-model
 	@command -v wrk >/dev/null || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q \
 		&& $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; }
 	$(PY) -m bench.overload $(BENCH_ARGS)
+
+# Bulk work beside one-text requests (bench/bulk.py): 4 one-text loops, 32 loops of 64-text requests with
+# latency_budget_ms 0, then both, on the packaged model at PRECISION, all retrying at once over gRPC; ~3 min.
+bench-bulk: install
+	$(PY) -m bench.bulk --precision $(PRECISION) $(BENCH_ARGS)
 
 # perf_analyzer's --input-data file (bench/perf_data.py): 200,000 texts never sent before, from STS-B or CORPUS=file.
 PERF_DATA ?= .build/perf-texts.json

@@ -6,7 +6,8 @@ Against the embedded server on a copy of the model repository (response cache of
 
 1. perf_analyzer (Triton's own client, ``../shared/tools/perf-analyzer``), closed loop over gRPC, one new STS-B
    sentence per request, at each concurrency of ``--levels``: with the shipped settings, and with the request
-   parameter ``latency_budget_ms`` 0 (never refused). perf_analyzer stops at the first error, so a level that
+   parameter ``latency_budget_ms`` 0 (bulk: past the door, through the bulk lane, which lets up to 128 texts in
+   at once and refuses none below ``BULK_QUEUE``). perf_analyzer stops at the first error, so a level that
    completes had no refusal. The knee is the highest level whose p99 stays within the SLA with refusals off;
    capacity is the best throughput at or below it.
 2. Closed loops that retry at once (no backoff) at 64 and 256 concurrent gRPC clients: successes/s against the
@@ -121,8 +122,12 @@ class _Tally:
                           *np.percentile(lat, [50, 99]))  # fmt: skip
 
 
-async def _loops(client, texts: list[str], counter, *, clients: int, size: int, window: tuple[float, float]) -> _Tally:
-    """``clients`` loops sending ``size`` new texts per request until ``window`` ends; tallies sends inside it."""
+async def _loops(client, texts: list[str], counter, *, clients: int, size: int, window: tuple[float, float],
+                 parameters: dict | None = None) -> _Tally:  # fmt: skip
+    """``clients`` loops sending ``size`` new texts per request (with request ``parameters``) until ``window`` ends.
+
+    Tallies the sends inside the window.
+    """
     import tritonclient.grpc.aio as grpcclient
 
     begin, end = window
@@ -134,7 +139,7 @@ async def _loops(client, texts: list[str], counter, *, clients: int, size: int, 
             tensor = grpcclient.InferInput("TEXT", [size, 1], "BYTES")
             tensor.set_data_from_numpy(np.array(batch, dtype=np.object_))
             try:
-                await client.infer("embed", [tensor], client_timeout=60)
+                await client.infer("embed", [tensor], client_timeout=60, parameters=parameters)
                 if t0 >= begin:
                     tally.ok_ms.append((time.perf_counter() - t0) * 1000)
             except Exception as exc:  # noqa: BLE001 - counted
@@ -148,9 +153,12 @@ async def _loops(client, texts: list[str], counter, *, clients: int, size: int, 
     return tally
 
 
-async def _loop_groups(url: str, texts: list[str], groups: list[tuple[int, int]], seconds: float,
+async def _loop_groups(url: str, texts: list[str], groups: list[tuple[int, int, dict | None]], seconds: float,
                        warmup_s: float) -> list[LoopResult]:  # fmt: skip
-    """Run each group of (loops, texts per request) at once on one gRPC client; one :class:`LoopResult` per group."""
+    """Run each group of (loops, texts per request, request parameters) at once on one gRPC client.
+
+    One :class:`LoopResult` per group.
+    """
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -158,15 +166,18 @@ async def _loop_groups(url: str, texts: list[str], groups: list[tuple[int, int]]
     start = time.perf_counter()
     window = (start + warmup_s, start + warmup_s + seconds)
     tallies = await asyncio.gather(
-        *(_loops(client, texts, counter, clients=n, size=size, window=window) for n, size in groups)
+        *(
+            _loops(client, texts, counter, clients=n, size=size, window=window, parameters=parameters)
+            for n, size, parameters in groups
+        )
     )
     await client.close()
-    return [tally.result(n, seconds) for tally, (n, _) in zip(tallies, groups, strict=True)]
+    return [tally.result(n, seconds) for tally, (n, _, _) in zip(tallies, groups, strict=True)]
 
 
 async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, warmup_s: float = 2.0):
     """``clients`` gRPC loops of one text per request that send again the moment an answer (or a refusal) comes back."""
-    (result,) = await _loop_groups(url, texts, [(clients, 1)], seconds, warmup_s)
+    (result,) = await _loop_groups(url, texts, [(clients, 1, None)], seconds, warmup_s)
     return result
 
 
@@ -176,7 +187,7 @@ async def beside_bulk_loops(url: str, texts: list[str], clients: int, seconds: f
 
     Returns the one-text loops' result and the bulk loops' (their successes/s count requests, not texts).
     """
-    one, big = await _loop_groups(url, texts, [(clients, 1), bulk], seconds, warmup_s)
+    one, big = await _loop_groups(url, texts, [(clients, 1, None), (*bulk, None)], seconds, warmup_s)
     return one, big
 
 
@@ -415,17 +426,17 @@ def alternating_floods(servers: dict[str, object], wrk_texts: Path, args: argpar
               f"{each} |")  # fmt: skip
 
 
-def served(folder: Path, name: str, knobs: dict[tuple[str, str], str] | None = None):
-    """An embedded server (a context manager) on free loopback ports, over a copy of the model repository.
+def served(folder: Path, name: str, knobs: dict[tuple[str, str], str] | None = None, source: Path | None = None):
+    """An embedded server (a context manager) on free loopback ports, over a copy of a model repository.
 
-    The copy (``bench.run.variant_repository``, response cache off, ``knobs`` set) is ``folder/repo-<name>``, the
-    server's log ``folder/tritonserver-<name>.log``.
+    The copy (``bench.run.variant_repository`` of ``source``, default the checkout's; response cache off, ``knobs``
+    set) is ``folder/repo-<name>``, the server's log ``folder/tritonserver-<name>.log``.
     """
     from triton_embed_server.embedded import EmbeddedServer
 
     from bench.run import variant_repository
 
-    repo = variant_repository(folder / f"repo-{name}", knobs=knobs)
+    repo = variant_repository(folder / f"repo-{name}", knobs=knobs, source=source)
     return EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
                           log_file=folder / f"tritonserver-{name}.log")  # fmt: skip
 

@@ -147,6 +147,7 @@ def variant_repository(
     knobs: dict[tuple[str, str], str] | None = None,
     cache: bool = False,
     precision: str | None = None,
+    source: Path | None = None,
 ) -> Path:
     """Copy the model repository to ``dst`` (artifacts symlinked), the response cache off unless ``cache``.
 
@@ -159,13 +160,14 @@ def variant_repository(
         cache: keep the ensemble's response cache on, as shipped.
         precision: when set, the packaged model is exported into ``dst`` at this precision (``make model``'s
             ``PRECISION``: auto, fp32, bf16, fp16) instead of linking the repository's artifacts.
+        source: the repository to copy (default: the checkout's ``model_repository``), e.g. one this function made.
 
     Raises:
         ValueError: the shipped config lacks a value this function rewrites.
     """
     from triton_embed_server import export as exporter
 
-    src = ROOT / "model_repository"
+    src = source or ROOT / "model_repository"
     shutil.copytree(
         src, dst, symlinks=True, ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))]
     )

@@ -66,10 +66,13 @@ from triton_embed_protocol.overload import (
     METRIC,
     METRIC_HELP,
     BudgetError,
+    BulkLane,
     Door,
+    DoorState,
     InFlight,
     RefusalHold,
     admit,
+    is_bulk,
     request_budget_ms,
 )
 
@@ -190,6 +193,7 @@ class TritonPythonModel:
         self.in_flight.reset()
         self.door = Door()
         self.refusals = RefusalHold()
+        self.bulk_lane = BulkLane(self.in_flight)
         self._shed_family = pb_utils.MetricFamily(
             name=METRIC, description=METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
         )
@@ -246,16 +250,21 @@ class TritonPythonModel:
         return out
 
     def finalize(self) -> None:
-        """Answer the refusals still held; keep the refusal counter alive for good (``metric_lifetime.py``).
+        """Hand on the bulk requests waiting, answer the refusals still held; keep the refusal counter alive for good.
+
+        (``metric_lifetime.py``.)
 
         The in-flight file stays: it carries the encoder's ``MAX_IN_FLIGHT``, which a reloaded tokenizer (Triton
         finalizes the old instance after the new one loaded) must still read.
         """
+        self.bulk_lane.close()
         self.refusals.close()
         keep(self._shed_metric, self._shed_family)
 
-    def _refuse_at_the_door(self, requests: list, parameters: list[dict], arrived_ns: int, errors: dict) -> set[int]:
-        """Refuse the requests past ``MAX_IN_FLIGHT`` (``overload.admit``); each refusal is answered when due.
+    def _refuse_at_the_door(
+        self, requests: list, parameters: list[dict], arrived_ns: int, errors: dict
+    ) -> tuple[set[int], set[int], DoorState]:
+        """Sort the requests into the bulk lane and the door; refuse those past ``MAX_IN_FLIGHT`` (``overload.admit``).
 
         Args:
             requests: this execution's requests.
@@ -265,40 +274,51 @@ class TritonPythonModel:
             errors: filled with the INVALID_ARG message of each request whose ``latency_budget_ms`` is bad.
 
         Returns:
-            the indices of the refused requests.
+            the indices of the refused requests, those of the bulk requests, and the in-flight state read.
         """
-        budgets: dict[int, float] = {}
+        state = self.in_flight.door()  # the counts, and the encoder's knobs
+        texts = [_text_rows(request) for request in requests]
+        interactive: list[int] = []
+        bulk: set[int] = set()
         for i, request_parameters_ in enumerate(parameters):
             try:
-                budgets[i] = request_budget_ms(request_parameters_, math.inf)  # no budget of its own: not exempt
+                request_budget_ms(request_parameters_, math.inf)
             except BudgetError as exc:
                 errors[i] = str(exc)
-        state = self.in_flight.door()  # the count, and the encoder's MAX_IN_FLIGHT, REFUSAL_HOLD_MS, FLOOD_LATENCY_MS
+                continue
+            if is_bulk(request_parameters_, texts[i], state.bulk_in_flight, state.bulk_texts):
+                bulk.add(i)
+            else:
+                interactive.append(i)
         limit = self.door.limit(arrived_ns, state, self.refusals.pending())
         if not limit:
-            return set()
-        candidates = list(budgets)
-        refused = admit(state.count, limit, [budgets[i] for i in candidates], state.limit, state.flood_ns / 1e6)
+            return set(), bulk, state
+        lane_texts = state.bulk_texts if state.bulk_in_flight else 0  # the message offers the lane where there is one
+        refused = admit(state.count, limit, [texts[i] for i in interactive], max_in_flight=state.limit,
+                        flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts)  # fmt: skip
         for k, message in refused.items():
-            error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
-            response = pb_utils.InferenceResponse(output_tensors=[], error=error)
-            self.refusals.hold(arrived_ns + state.hold_ns, _answer(requests[candidates[k]], response))
-        if refused:
-            self._shed_metric.increment(len(refused))
-        return {candidates[k] for k in refused}
+            self._refuse(requests[interactive[k]], message, arrived_ns + state.hold_ns, texts[interactive[k]])
+        return {interactive[k] for k in refused}, bulk, state
+
+    def _refuse(self, request, message: str, due_ns: int, weight: int) -> None:
+        """Answer ``request`` UNAVAILABLE with ``message`` at ``due_ns``; count it in the refusal metric."""
+        error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+        response = pb_utils.InferenceResponse(output_tensors=[], error=error)
+        self.refusals.hold(due_ns, _answer(request, response), weight)
+        self._shed_metric.increment(1)
 
     def execute(self, requests: list) -> None:
         """Refuse at the door past ``MAX_IN_FLIGHT``; tokenise the rest's texts in two calls at most (END/NONE, START).
 
-        Every request is answered through its response sender: at once, or a refusal ``REFUSAL_HOLD_MS`` after this
-        execution began (``overload.RefusalHold``).
+        Every request is answered through its response sender: at once; a bulk request when the bulk lane hands it
+        on (``overload.BulkLane``); a refusal ``REFUSAL_HOLD_MS`` after this execution began (``overload.RefusalHold``).
         """
         arrived_ns = time.monotonic_ns()
         parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
         modes_per_request: list[list[str]] = []
         errors: dict[int, str] = {}
-        refused = self._refuse_at_the_door(requests, parameters, arrived_ns, errors)
+        refused, bulk, state = self._refuse_at_the_door(requests, parameters, arrived_ns, errors)
         for i, request in enumerate(requests):
             texts: list[str] | None = None
             modes: list[str] = []
@@ -341,6 +361,14 @@ class TritonPythonModel:
         for (i, row, _, _), enc in zip(tails, tail_encodings, strict=True):
             encoded[i, row] = enc
 
+        self._hand_on(requests, texts_per_request, encoded, errors=errors, refused=refused, bulk=bulk, state=state,
+                      arrived_ns=arrived_ns)  # fmt: skip
+
+    def _hand_on(  # noqa: PLR0913 - the pieces of one execution
+        self, requests: list, texts_per_request: list, encoded: dict, *, errors: dict, refused: set[int],
+        bulk: set[int], state: DoorState, arrived_ns: int,
+    ) -> None:  # fmt: skip
+        """Answer each request not refused: its error, its tokens now, or (a bulk request) its tokens in its turn."""
         queued_ns = time.monotonic_ns()
         responses = {}
         handed_on = 0
@@ -352,15 +380,41 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=error)
                 continue
             ids, mask = pad_rows([encoded[i, row].ids for row in range(len(texts))], self.pad_id)
-            queued = pb_utils.Tensor(QUEUED, np.full((len(texts), 1), queued_ns, dtype=np.int64))
-            counts = pb_utils.Tensor(TOKEN_COUNT, mask.sum(axis=1, keepdims=True))
-            tensors = [pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued, counts]
-            responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
-            handed_on += QUEUED in request_outputs(requests[i])  # the ensemble feeds it to the encoder
+            counted = QUEUED in request_outputs(requests[i])  # the ensemble feeds it to the encoder
+            if i in bulk and counted:
+                if message := self.bulk_lane.offer(len(texts), _later(requests[i], ids, mask), state.bulk_queue):
+                    self._refuse(requests[i], message, arrived_ns + state.hold_ns, 0)
+                continue
+            responses[i] = _response(ids, mask, queued_ns)
+            handed_on += len(texts) if counted else 0
         if handed_on:
             self.in_flight.add(handed_on)  # before the answers: the encoder's count-down must not come first
         for i, response in responses.items():
             _answer(requests[i], response)()
+
+
+def _text_rows(request) -> int:
+    """The texts of ``request``: the rows of its ``TEXT`` input (1 when it has none; decoding refuses it then)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, TEXT)
+    shape = tensor.as_numpy().shape if tensor is not None else ()
+    return max(1, int(shape[0])) if shape else 1
+
+
+def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int):
+    """The tokenizer's response: tokens (int64 ``[n, T]``), ``queued_ns`` (int64 ``[n, 1]``) and token counts."""
+    queued = pb_utils.Tensor(QUEUED, np.full((ids.shape[0], 1), queued_ns, dtype=np.int64))
+    counts = pb_utils.Tensor(TOKEN_COUNT, mask.sum(axis=1, keepdims=True))
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued, counts]
+    )
+
+
+def _later(request, ids: np.ndarray, mask: np.ndarray) -> Callable[[], None]:
+    """A call that answers ``request`` with its tokens, stamped ``queued_ns`` at the moment of the call."""
+    sender = request.get_response_sender()
+    return lambda: sender.send(
+        _response(ids, mask, time.monotonic_ns()), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    )
 
 
 def request_outputs(request) -> set[str]:

@@ -14,7 +14,8 @@ Overload control (``triton_embed_protocol.overload``, docs/overload.md): the tok
 flight. At each execution the requests that have waited longer than their latency budget since that stamp (the
 request parameter ``latency_budget_ms``, else the config parameter ``LATENCY_BUDGET_MS``; 0 = none, as shipped on
 CPU) are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted in
-``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered.
+``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered, its texts
+as interactive or bulk (``overload.is_bulk``, with this model's ``BULK_IN_FLIGHT`` and ``BULK_TEXTS``).
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
@@ -61,6 +62,7 @@ from triton_embed_protocol.overload import (
     BudgetError,
     InFlight,
     RefusalHold,
+    is_bulk,
     request_budget_ms,
     shed,
 )
@@ -104,6 +106,12 @@ def queued_stamp(request) -> int | None:
         return None
     stamps = tensor.as_numpy().reshape(-1)
     return int(stamps[0]) if stamps.size else None
+
+
+def queued_rows(request) -> int | None:
+    """The rows of the request's ``queued_ns`` (one per text, as the tokenizer stamps it); None without one."""
+    tensor = pb_utils.get_input_tensor_by_name(request, QUEUED)
+    return None if tensor is None else int(tensor.as_numpy().shape[0])
 
 
 def last_real_column(mask: np.ndarray) -> int:
@@ -158,6 +166,9 @@ class TritonPythonModel:
             self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
             max_in_flight = config_number(params, "MAX_IN_FLIGHT", "0", integer=True)
             flood_ns = int(config_number(params, "FLOOD_LATENCY_MS", "0") * 1e6)
+            self.bulk_in_flight = config_number(params, "BULK_IN_FLIGHT", "0", integer=True)
+            bulk_queue = config_number(params, "BULK_QUEUE", "0", integer=True)
+            self.bulk_texts = config_number(params, "BULK_TEXTS", "8", integer=True)
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
         precision = manifest.get("precision", "fp32")
@@ -199,7 +210,10 @@ class TritonPythonModel:
         self.runner.warmup()
         self.refusals = RefusalHold()
         self.in_flight = InFlight(args["model_repository"])
-        self.in_flight.reset(max_in_flight, self.refusal_hold_ns, flood_ns)  # the tokenizer's door reads them
+        # the tokenizer's door and bulk lane read them
+        self.in_flight.reset(
+            max_in_flight, self.refusal_hold_ns, flood_ns, (self.bulk_in_flight, bulk_queue, self.bulk_texts)
+        )
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -226,17 +240,28 @@ class TritonPythonModel:
         tokenizer counted in flight are counted out, whatever happens.
         """
         self.in_flight.started()
-        self._owed = len(requests)  # until the stamps are read (counting out too many only reads low)
+        self._owed = [len(requests), 0]  # until the stamps are read (counting out too many only reads low)
         try:
             self._execute(requests)
         finally:
             self._count_out()
 
     def _count_out(self) -> None:
-        """Count this execution's requests out of flight, once (``overload.InFlight``)."""
-        if self._owed:
-            self.in_flight.answered(self._owed)
-            self._owed = 0
+        """Count this execution's texts out of flight, once (``overload.InFlight``): [interactive, bulk]."""
+        if any(self._owed):
+            self.in_flight.answered(*self._owed)
+            self._owed = [0, 0]
+
+    def _texts_in_flight(self, texts: int | None, parameters: dict) -> tuple[int, int]:
+        """What a request counts in flight, (interactive texts, bulk texts), as the tokenizer counted it in.
+
+        ``texts``: the rows of its ``queued_ns`` (None: a direct caller, never counted in).
+        """
+        if not texts:
+            return 0, 0
+        if is_bulk(parameters, texts, self.bulk_in_flight, self.bulk_texts):
+            return 0, texts
+        return texts, 0
 
     def _execute(self, requests: list) -> None:
         now_ns = time.monotonic_ns()
@@ -246,10 +271,12 @@ class TritonPythonModel:
         waited: list[float | None] = []
         budgets: list[float] = []
         own: list[bool] = []
+        counts: list[tuple[int, int]] = []
         for i, request in enumerate(requests):  # validate
             stamps.append(queued_stamp(request))
             waited.append(None if stamps[i] is None else (now_ns - stamps[i]) / 1e6)
             parameters = request_parameters(request.parameters())
+            counts.append(self._texts_in_flight(queued_rows(request), parameters))
             own.append(BUDGET in parameters)
             try:
                 budgets.append(request_budget_ms(parameters, self.latency_budget_ms))
@@ -258,12 +285,13 @@ class TritonPythonModel:
                 errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 budgets.append(0.0)
                 pieces.append(None)
-        self._owed = sum(stamp is not None for stamp in stamps)  # direct callers were never counted in
+        self._owed = [sum(c[0] for c in counts), sum(c[1] for c in counts)]  # direct callers were never counted in
         live = [i for i, piece in enumerate(pieces) if piece is not None]
         refused = shed([waited[i] for i in live], [budgets[i] for i in live], [own[i] for i in live])  # the wait rule
         if refused:  # out of flight before a refusal falls due: its client may send again at once
-            self.in_flight.answered(len(refused), idle=False)
-            self._owed -= len(refused)
+            gone = [sum(counts[live[k]][j] for k in refused) for j in (0, 1)]
+            self.in_flight.answered(*gone, idle=False)
+            self._owed = [self._owed[0] - gone[0], self._owed[1] - gone[1]]
         for k, message in refused.items():
             error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
             answer = _answer(requests[live[k]], pb_utils.InferenceResponse(output_tensors=[], error=error))

@@ -1,17 +1,20 @@
-"""Overload control: at most ``MAX_IN_FLIGHT`` requests in the service, and none served after its latency budget.
+"""Overload control by work: at most ``MAX_IN_FLIGHT`` interactive texts in the service, bulk work in its own lane.
 
-Policy: the tokenizer refuses a request that arrives while ``MAX_IN_FLIGHT`` requests are already between it and the
-encoder's answer (under a flood, while as many as the encoder answers in ``FLOOD_LATENCY_MS`` are), and the encoder
-refuses a request with a latency budget (the request parameter ``latency_budget_ms``, else ``LATENCY_BUDGET_MS``:
-none on CPU as shipped) that has waited longer than it in its queue. Every refusal is answered ``REFUSAL_HOLD_MS``
-after the request arrived, so a client that retries at once cannot send faster than the server answers.
+Policy: an interactive request (at most ``BULK_TEXTS`` texts and a latency budget other than 0) is refused at the
+tokenizer when its texts would take the interactive texts between the tokenizer and the encoder's answer past
+``MAX_IN_FLIGHT`` (under a flood, past as many as the encoder answers in ``FLOOD_LATENCY_MS``). A bulk request (more
+than ``BULK_TEXTS`` texts, or the request parameter ``latency_budget_ms`` 0) waits in the tokenizer, in arrival
+order, and is handed on while the bulk texts in flight stay within ``BULK_IN_FLIGHT`` (twice that when no interactive
+request has come for a second; one bulk request at least); past ``BULK_QUEUE`` waiting texts it is refused. The
+encoder refuses a request with a latency budget (its parameter, else ``LATENCY_BUDGET_MS``: none on CPU as shipped)
+that has waited longer than it in its queue. Every refusal is answered ``REFUSAL_HOLD_MS`` after the request arrived,
+so a client that retries at once cannot send faster than the server answers.
 
-Nothing is refused on a prediction, and a closed loop of up to ``MAX_IN_FLIGHT`` clients is never refused at the
-door. The request parameter ``latency_budget_ms`` 0 exempts a request from both rules (bulk jobs). Design and
-figures: docs/overload.md.
+Nothing is refused on a prediction, and a closed loop of one-text clients up to ``MAX_IN_FLIGHT`` is never refused.
+Design and figures: docs/overload.md.
 
-Used by both backends (tokenizer: :class:`Door` and :func:`admit`, encoder: :func:`shed`); pure Python, no torch, no
-Triton: tests/unit/test_overload_policy.py.
+Used by both backends (tokenizer: :class:`Door`, :func:`admit` and :class:`BulkLane`, encoder: :func:`shed` and
+:func:`is_bulk`); pure Python, no torch, no Triton: tests/unit/test_overload_policy.py.
 """
 
 from __future__ import annotations
@@ -113,77 +116,136 @@ def shed(waited_ms: list[float | None], budgets_ms: list[float], own: list[bool]
     }
 
 
-def full_message(in_flight: int, limit: int, max_in_flight: int | None = None, flood_ms: float = 0.0) -> str:
-    """The UNAVAILABLE message of a request refused at the door: the load, the limit and the knobs.
+def is_bulk(parameters: dict, texts: int, bulk_in_flight: int, bulk_texts: int) -> bool:
+    """Whether a request goes the bulk lane (:class:`BulkLane`) rather than through the door (:func:`admit`).
 
     Args:
-        in_flight: requests in flight when it arrived.
-        limit: the door's limit then.
+        parameters: the request's parameters (``triton_embed_protocol.request_parameters``).
+        texts: its texts.
+        bulk_in_flight: the encoder's ``BULK_IN_FLIGHT``, texts; 0 = no bulk lane, every request is interactive.
+        bulk_texts: the encoder's ``BULK_TEXTS``: a request of more texts is bulk.
+
+    Returns:
+        True for a request of more than ``bulk_texts`` texts or with ``latency_budget_ms`` 0, when there is a lane.
+        A bad ``latency_budget_ms`` reads as interactive (the tokenizer refuses it as INVALID_ARG).
+    """
+    if not bulk_in_flight:
+        return False
+    try:
+        return texts > bulk_texts or request_budget_ms(parameters, math.inf) == 0
+    except BudgetError:
+        return False
+
+
+def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int | None = None, flood_ms: float = 0.0,
+                 bulk_texts: int = 0) -> str:  # fmt: skip
+    """The UNAVAILABLE message of a request refused at the door: the load, the request, the limit and the knobs.
+
+    Args:
+        in_flight: interactive texts in flight when it arrived.
+        texts: the request's texts.
+        limit: the door's limit then, texts.
         max_in_flight: ``MAX_IN_FLIGHT`` (None: ``limit``); a lower ``limit`` is the flood limit (:class:`Door`).
         flood_ms: ``FLOOD_LATENCY_MS``, ms.
+        bulk_texts: ``BULK_TEXTS`` (0: no bulk lane, the message offers none).
     """
     if max_in_flight is None or limit >= max_in_flight:
         why = "MAX_IN_FLIGHT in the encoder's config"
     else:
-        why = (f"under a flood: the requests the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
+        why = (f"under a flood: the texts the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
                f"of MAX_IN_FLIGHT to all of it, {max_in_flight}, in the encoder's config")  # fmt: skip
+    lane = (
+        f"; a request of more than {bulk_texts} texts or with the request parameter latency_budget_ms 0 waits in the "
+        "bulk lane instead"
+        if bulk_texts
+        else ""
+    )
+    noun = "text" if texts == 1 else "texts"
     return (
-        f"overloaded: {in_flight} requests are in flight, the limit is {limit} ({why}; the request parameter "
-        "latency_budget_ms 0 exempts a request). Retry with backoff"
+        f"overloaded: {in_flight} texts are in flight and this request has {texts} {noun}; the limit is {limit} "
+        f"texts ({why}{lane}). Retry with backoff"
     )
 
 
 def admit(
-    in_flight: int, limit: int, budgets_ms: list[float], max_in_flight: int | None = None, flood_ms: float = 0.0
+    in_flight: int,
+    limit: int,
+    texts: list[int],
+    *,
+    max_in_flight: int | None = None,
+    flood_ms: float = 0.0,
+    bulk_texts: int = 0,
 ) -> dict[int, str]:
-    """The requests of one tokenizer execution to refuse at the door, each with its message.
+    """The interactive requests of one tokenizer execution to refuse at the door, each with its message.
 
-    Requests are taken in order; each is admitted while fewer than ``limit`` requests are in flight (counting the
-    ones admitted before it in this execution). A request with budget 0 is always admitted and counted.
+    Requests are taken in order; each is admitted while its texts keep the interactive texts in flight (counting the
+    ones admitted before it in this execution) within ``limit``, and always when none are in flight (a request larger
+    than the limit runs alone).
 
     Args:
-        in_flight: requests handed on to the encoder and not yet answered by it (:class:`InFlight`).
-        limit: the door's limit (:meth:`Door.limit`); 0 = no limit.
-        budgets_ms: per request, its latency budget, ms (0 = never refused).
+        in_flight: interactive texts handed on to the encoder and not yet answered by it (:class:`InFlight`).
+        limit: the door's limit, texts (:meth:`Door.limit`); 0 = no limit.
+        texts: per request, its texts.
         max_in_flight: ``MAX_IN_FLIGHT``, for the message (:func:`full_message`).
         flood_ms: ``FLOOD_LATENCY_MS``, ms, for the message.
+        bulk_texts: ``BULK_TEXTS``, for the message (0: no bulk lane).
 
     Returns:
         ``{request index: UNAVAILABLE message}``.
     """
     refused = {}
-    for i, budget in enumerate(budgets_ms):
-        if limit and budget > 0 and in_flight >= limit:
-            refused[i] = full_message(in_flight, limit, max_in_flight, flood_ms)
+    for i, n in enumerate(texts):
+        if limit and in_flight and in_flight + n > limit:
+            refused[i] = full_message(
+                in_flight, n, limit, max_in_flight=max_in_flight, flood_ms=flood_ms, bulk_texts=bulk_texts
+            )
         else:
-            in_flight += 1
+            in_flight += n
     return refused
 
 
+def queue_full_message(waiting: int, texts: int, bulk_queue: int) -> str:
+    """The UNAVAILABLE message of a bulk request refused because the bulk lane holds ``bulk_queue`` texts already."""
+    return (
+        f"overloaded: {waiting} bulk texts are waiting and this request has {texts}; the limit is {bulk_queue} texts "
+        "(BULK_QUEUE in the encoder's config). Retry with backoff"
+    )
+
+
 class DoorState(NamedTuple):
-    """What the tokenizer's door reads from :class:`InFlight`."""
+    """What the tokenizer's door and bulk lane read from :class:`InFlight`."""
 
     count: int
-    """requests in flight (0 once the encoder has been idle for :data:`InFlight.IDLE_NS`)"""
+    """interactive texts in flight (0 once the encoder has been idle for :data:`InFlight.IDLE_NS`)"""
     limit: int
-    """the encoder's ``MAX_IN_FLIGHT`` (0 = no door)"""
+    """the encoder's ``MAX_IN_FLIGHT``, texts (0 = no door)"""
     hold_ns: int
     """the encoder's ``REFUSAL_HOLD_MS``, ns"""
     flood_ns: int
     """the encoder's ``FLOOD_LATENCY_MS``, ns"""
     answered: int
-    """requests the encoder has counted out of flight since the server started"""
+    """interactive texts the encoder has counted out of flight since the server started"""
+    bulk: int = 0
+    """bulk texts in flight"""
+    interactive_ns: int = 0
+    """when the tokenizer last handed an interactive request on (``time.monotonic_ns()``; 0 = never)"""
+    bulk_in_flight: int = 0
+    """the encoder's ``BULK_IN_FLIGHT``, texts (0 = no bulk lane)"""
+    bulk_queue: int = 0
+    """the encoder's ``BULK_QUEUE``, texts"""
+    bulk_texts: int = 0
+    """the encoder's ``BULK_TEXTS``"""
 
 
 class Door:
-    """The door's limit: ``MAX_IN_FLIGHT``, and under a flood the requests the encoder answers in ``FLOOD_LATENCY_MS``.
+    """The door's limit: ``MAX_IN_FLIGHT`` texts, under a flood the texts the encoder answers in ``FLOOD_LATENCY_MS``.
 
-    A flood is more requests in the service and refused (their refusals held) than ``MAX_IN_FLIGHT``: more clients
-    than the door lets in. Once one has lasted :data:`WINDOW_NS`, the limit is the encoder's answers per second over
-    the last :data:`WINDOW_NS` times ``FLOOD_LATENCY_MS``, so that an admitted request spends about
-    ``FLOOD_LATENCY_MS`` in the service (Little's law) instead of waiting behind ``MAX_IN_FLIGHT`` others; never above
-    ``MAX_IN_FLIGHT`` and never below :data:`FLOOR` of it. A load of up to ``MAX_IN_FLIGHT`` requests at a time (a
-    closed loop of that many clients; fresh, after an idle spell or after a flood) is never refused. One per
+    A flood is more interactive texts in the service and refused (their refusals held) than ``MAX_IN_FLIGHT``: more
+    clients than the door lets in. Once one has lasted :data:`WINDOW_NS`, the limit is the encoder's interactive texts
+    answered per second over the last :data:`WINDOW_NS` times ``FLOOD_LATENCY_MS``, so that an admitted request spends
+    about ``FLOOD_LATENCY_MS`` in the service (Little's law) instead of waiting behind ``MAX_IN_FLIGHT`` others; never
+    above ``MAX_IN_FLIGHT`` and never below :data:`FLOOR` of it. A load of up to ``MAX_IN_FLIGHT`` texts at a time (a
+    closed loop of that many one-text clients; fresh, after an idle spell or after a flood) is never refused. One per
     tokenizer instance, asked once per execution.
     """
 
@@ -205,10 +267,10 @@ class Door:
         Args:
             now_ns: ``time.monotonic_ns()``.
             state: the count and the encoder's knobs and answers (:meth:`InFlight.door`).
-            held: refusals of this door not answered yet (:meth:`RefusalHold.pending`).
+            held: texts of this door's refusals not answered yet (:meth:`RefusalHold.pending`).
 
         Returns:
-            requests that may be in flight; 0 = no limit.
+            interactive texts that may be in flight; 0 = no limit.
         """
         self._answers.append((now_ns, state.answered))
         while len(self._answers) > 1 and self._answers[1][0] <= now_ns - self.WINDOW_NS:
@@ -226,26 +288,30 @@ class Door:
 
 
 class InFlight:
-    """Requests the tokenizer handed on that the encoder has not answered yet, in a file both stubs share.
+    """Texts the tokenizer handed on that the encoder has not answered yet, in a file both stubs share.
 
     The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent) and the model repository, so every
-    server on a host has its own; each read or change takes an exclusive ``flock``. It holds the count, when the
-    encoder last went idle, the encoder's ``MAX_IN_FLIGHT``, ``REFUSAL_HOLD_MS`` and ``FLOOD_LATENCY_MS`` (the door's
-    limit belongs to the encoder's hardware, so it lives in the encoder's config and reaches the tokenizer here), and
-    the requests the encoder has counted out since the server started (:class:`Door` reads their rate). The tokenizer
-    counts in only requests that ask for ``queued_ns`` (the ensemble does; a direct caller of the tokenizer that names
-    its outputs does not). The count heals itself: it never goes below 0, either backend sets it to 0 when it loads, and
-    a count left while the encoder has sat idle for :data:`IDLE_NS` since the last hand-off (requests that never
-    reached it: a direct call of the tokenizer asking for every output, a stub that died) reads as 0. Exact with one
-    encoder instance (as shipped); with more, it can only read low. The file outlives a reload of either backend
-    (Triton finalizes the old instance after the new one loaded); the embedded server deletes its files when it stops
-    (:meth:`remove_files`), and a backend loading deletes those of servers no longer running.
+    server on a host has its own; each read or change takes an exclusive ``flock``. It holds the interactive and the
+    bulk texts in flight, when the encoder last went idle, when the tokenizer last handed an interactive request on,
+    the encoder's knobs (``MAX_IN_FLIGHT``, ``REFUSAL_HOLD_MS``, ``FLOOD_LATENCY_MS``, ``BULK_IN_FLIGHT``,
+    ``BULK_QUEUE``, ``BULK_TEXTS``: the door's limits belong to the encoder's hardware, so they live in the encoder's
+    config and reach the tokenizer here), and the interactive texts the encoder has counted out since the server
+    started (:class:`Door` reads their rate). The tokenizer counts in only requests that ask for ``queued_ns`` (the
+    ensemble does; a direct caller of the tokenizer that names its outputs does not). The counts heal themselves: they
+    never go below 0, either backend sets them to 0 when it loads, and counts left while the encoder has sat idle for
+    :data:`IDLE_NS` since the last hand-off (requests that never reached it: a direct call of the tokenizer asking for
+    every output, a stub that died) read as 0. Exact with one encoder instance (as shipped); with more, they can only
+    read low. The file outlives a reload of either backend (Triton finalizes the old instance after the new one
+    loaded); the embedded server deletes its files when it stops (:meth:`remove_files`), and a backend loading deletes
+    those of servers no longer running.
     """
 
     IDLE_NS = 100_000_000
     """An idle encoder takes a waiting request within this, ns (dynamic batcher without delay); 100 ms."""
 
-    _FORMAT = "<qqqqqq"  # count, idle since (monotonic ns, 0 = executing), limit, refusal hold ns, flood ns, answered
+    # interactive texts, idle since (monotonic ns, 0 = executing), MAX_IN_FLIGHT, refusal hold ns, flood ns,
+    # interactive texts answered, bulk texts, last interactive hand-off ns, BULK_IN_FLIGHT, BULK_QUEUE, BULK_TEXTS
+    _FORMAT = "<" + "q" * 11
 
     def __init__(self, model_directory: str | Path) -> None:
         """Count for the server that runs this stub and the repository holding ``model_directory``."""
@@ -277,27 +343,30 @@ class InFlight:
             fcntl.flock(fd, fcntl.LOCK_EX)
             size = struct.calcsize(self._FORMAT)
             raw = os.pread(fd, size, 0)
-            fields = list(struct.unpack(self._FORMAT, raw)) if len(raw) == size else [0] * 6
+            fields = list(struct.unpack(self._FORMAT, raw)) if len(raw) == size else [0] * (size // 8)
             now = time.monotonic_ns()
             if fields[1] and now - fields[1] > self.IDLE_NS:
-                fields[0] = 0  # the encoder sat idle: whatever is counted never reached it
+                fields[0] = fields[6] = 0  # the encoder sat idle: whatever is counted never reached it
             change(fields, now)
-            fields[0] = max(0, fields[0])
+            fields[0], fields[6] = max(0, fields[0]), max(0, fields[6])
             os.pwrite(fd, struct.pack(self._FORMAT, *fields), 0)
             return fields
         finally:
             os.close(fd)  # releases the lock
 
     def door(self) -> DoorState:
-        """The tokenizer's view; the count reads 0 when the encoder has been idle for :data:`IDLE_NS`."""
-        count, _, limit, hold_ns, flood_ns, answered = self._update(lambda fields, now: None)
-        return DoorState(count, limit, hold_ns, flood_ns, answered)
+        """The tokenizer's view; the counts read 0 when the encoder has been idle for :data:`IDLE_NS`."""
+        f = self._update(lambda fields, now: None)
+        return DoorState(f[0], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10])
 
-    def add(self, requests: int) -> int:
-        """The tokenizer handed ``requests`` on; returns the new count."""
+    def add(self, texts: int, bulk: int = 0) -> int:
+        """The tokenizer handed on ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count."""
 
         def change(fields: list[int], now: int) -> None:
-            fields[0] += requests
+            fields[0] += texts
+            fields[6] += bulk
+            if texts:
+                fields[7] = now
             if fields[1]:  # an idle encoder has IDLE_NS from now to take them
                 fields[1] = now
 
@@ -311,36 +380,42 @@ class InFlight:
 
         self._update(change)
 
-    def answered(self, requests: int, *, idle: bool = True) -> int:
-        """The encoder answered ``requests`` of those handed on; returns the new count.
+    def answered(self, texts: int, bulk: int = 0, *, idle: bool = True) -> int:
+        """The encoder answered ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count.
 
         Args:
-            requests: how many.
+            texts: interactive texts.
+            bulk: bulk texts.
             idle: the encoder's execution is over (False: it refused them and runs on).
         """
 
         def change(fields: list[int], now: int) -> None:
-            fields[0] -= requests
-            fields[5] += requests
+            fields[0] -= texts
+            fields[5] += texts
+            fields[6] -= bulk
             if idle:
                 fields[1] = now
 
         return self._update(change)[0]
 
-    def reset(self, limit: int | None = None, hold_ns: int | None = None, flood_ns: int | None = None) -> None:
-        """Set the count to 0 (a backend loading); delete the files of servers no longer running.
+    def reset(self, limit: int | None = None, hold_ns: int | None = None, flood_ns: int | None = None,
+              bulk: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+        """Set the counts to 0 (a backend loading); delete the files of servers no longer running.
 
         Args:
-            limit: the encoder's ``MAX_IN_FLIGHT`` (None: keep the one written).
+            limit: the encoder's ``MAX_IN_FLIGHT``, texts (None: keep the one written).
             hold_ns: the encoder's ``REFUSAL_HOLD_MS``, ns (None: keep the one written).
             flood_ns: the encoder's ``FLOOD_LATENCY_MS``, ns (None: keep the one written).
+            bulk: the encoder's ``BULK_IN_FLIGHT``, ``BULK_QUEUE`` and ``BULK_TEXTS`` (None: keep the ones written).
         """
 
         def change(fields: list[int], now: int) -> None:
-            fields[0], fields[1] = 0, now
+            fields[0], fields[1], fields[6] = 0, now, 0
             for k, value in ((2, limit), (3, hold_ns), (4, flood_ns)):
                 if value is not None:
                     fields[k] = value
+            if bulk is not None:
+                fields[8:11] = bulk
 
         self._update(change)
         for stale in self.files():
@@ -348,6 +423,96 @@ class InFlight:
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
+
+
+class BulkLane:
+    """Bulk requests waiting in the tokenizer, handed on in arrival order as the bulk texts in flight allow.
+
+    A bulk request (:func:`is_bulk`) is tokenised when it arrives and its answer to the ensemble held here. The head
+    goes on while the bulk texts in flight plus its own stay within ``BULK_IN_FLIGHT``, twice that when no interactive
+    request is in flight or has been handed on for :data:`QUIET_NS`, and whenever no bulk text is in flight (one
+    request larger than the share runs alone). An interactive request therefore finds at most about one share of bulk
+    work ahead of it in the encoder's queue. A thread of its own watches :class:`InFlight` while requests wait (every
+    :data:`POLL_S`), so the lane moves as the encoder answers; :meth:`close` hands every waiting request on at once.
+    """
+
+    QUIET_NS = 1_000_000_000
+    """No interactive request for this long, ns: the bulk lane may fill the whole service (1 s)."""
+    POLL_S = 0.002
+    """How often the lane reads the in-flight file while requests wait, s: a fraction of a bulk execution (~120 ms
+    for 64 texts on 2 cores, docs/benchmarks.md, "Admission by work")."""
+
+    def __init__(self, in_flight: InFlight) -> None:
+        """An empty lane over ``in_flight``'s counts; starts its thread."""
+        self._in_flight = in_flight
+        self._waiting: deque[tuple[int, Callable[[], None]]] = deque()
+        self._texts = 0
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="bulk-lane", daemon=True)
+        self._thread.start()
+
+    def waiting(self) -> int:
+        """Texts waiting in the lane."""
+        with self._wake:
+            return self._texts
+
+    def offer(self, texts: int, hand_on: Callable[[], None], bulk_queue: int) -> str | None:
+        """Queue a tokenised bulk request of ``texts`` texts; ``hand_on()`` answers the ensemble when its turn comes.
+
+        Args:
+            texts: its texts.
+            hand_on: sends its tokenizer response (the lane counts it in flight just before).
+            bulk_queue: the encoder's ``BULK_QUEUE``, texts (0 = no bound).
+
+        Returns:
+            None when queued; else the UNAVAILABLE message (the lane already holds ``bulk_queue`` texts).
+        """
+        with self._wake:
+            if bulk_queue and self._texts and self._texts + texts > bulk_queue:
+                return queue_full_message(self._texts, texts, bulk_queue)
+            self._waiting.append((texts, hand_on))
+            self._texts += texts
+            self._wake.notify()
+        return None
+
+    def share(self, state: DoorState, now_ns: int) -> int:
+        """Bulk texts that may be in flight now: ``BULK_IN_FLIGHT``, twice that with no interactive request about."""
+        quiet = not state.count and (not state.interactive_ns or now_ns - state.interactive_ns > self.QUIET_NS)
+        return state.bulk_in_flight * (2 if quiet else 1)
+
+    def close(self) -> None:
+        """Hand every waiting request on now and stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._closed:
+                    self._wake.wait()
+                if not self._waiting and self._closed:
+                    return
+            released = False
+            while True:
+                with self._wake:
+                    if not self._waiting:
+                        break
+                    texts, hand_on = self._waiting[0]
+                    if not self._closed:
+                        state = self._in_flight.door()
+                        if state.bulk and state.bulk + texts > self.share(state, time.monotonic_ns()):
+                            break
+                    self._waiting.popleft()
+                    self._texts -= texts
+                    self._in_flight.add(0, texts)  # before the answer: the encoder's count-down must not come first
+                released = True
+                with contextlib.suppress(Exception):  # a client gone away must not stop the others
+                    hand_on()
+            if not released:
+                time.sleep(self.POLL_S)
 
 
 class RefusalHold:
@@ -358,23 +523,28 @@ class RefusalHold:
 
     def __init__(self) -> None:
         """Start the thread that answers the refusals as they fall due."""
-        self._due: list[tuple[int, int, Callable[[], None]]] = []
+        self._due: list[tuple[int, int, Callable[[], None], int]] = []
+        self._weight = 0
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="refusal-hold", daemon=True)
         self._thread.start()
 
-    def hold(self, due_ns: int, answer: Callable[[], None]) -> None:
-        """Call ``answer()`` at ``due_ns`` (``time.monotonic_ns()`` clock), or at once if that has passed."""
+    def hold(self, due_ns: int, answer: Callable[[], None], weight: int = 1) -> None:
+        """Call ``answer()`` at ``due_ns`` (``time.monotonic_ns()`` clock), or at once if that has passed.
+
+        ``weight``: what the refusal counts in :meth:`pending` (the door: the request's texts).
+        """
         with self._wake:
-            heapq.heappush(self._due, (due_ns, next(self._order), answer))
+            heapq.heappush(self._due, (due_ns, next(self._order), answer, weight))
+            self._weight += weight
             self._wake.notify()
 
     def pending(self) -> int:
-        """Refusals held and not yet answered."""
+        """The weight of the refusals held and not yet answered (1 each unless :meth:`hold` was told otherwise)."""
         with self._wake:
-            return len(self._due)
+            return self._weight
 
     def close(self) -> None:
         """Answer every held refusal now and stop the thread."""
@@ -396,6 +566,7 @@ class RefusalHold:
                     self._wake.wait(delay_s)
                 if not self._due:
                     return
-                answer = heapq.heappop(self._due)[2]
+                _, _, answer, weight = heapq.heappop(self._due)
+                self._weight -= weight
             with contextlib.suppress(Exception):  # a client gone away must not stop the others' answers
                 answer()

@@ -34,7 +34,7 @@ def test_libtorch_ensemble_is_the_default_one_without_the_queued_stamp():
 
 
 def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_has_a_guard_against_overload():
-    holds = []
+    holds, bulk = [], []
     for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
         config = parse(relative)
         stamp = next(i for i in config.input if i.name == "queued_ns")
@@ -43,7 +43,12 @@ def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_has_a_guard_aga
         door = int(config.parameters["MAX_IN_FLIGHT"].string_value)  # per hardware; 0 = no door
         budget = float(config.parameters["LATENCY_BUDGET_MS"].string_value)
         assert door > 0 or budget > 0, f"{relative}: neither a door nor a wait budget"
-    assert holds[0] == holds[1]
+        bulk.append((config.parameters["BULK_TEXTS"].string_value, config.parameters["BULK_QUEUE"].string_value))
+        lane = int(config.parameters["BULK_IN_FLIGHT"].string_value)  # 0 = no lane
+        assert (lane > 0) == (door > 0), (
+            f"{relative}: the door and the bulk lane go together (BULK_IN_FLIGHT, MAX_IN_FLIGHT)"
+        )
+    assert holds[0] == holds[1] and bulk[0] == bulk[1]
     assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
 
 

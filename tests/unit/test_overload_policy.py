@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
@@ -10,11 +9,13 @@ import pytest
 from triton_embed_protocol import request_parameters
 from triton_embed_protocol.overload import (
     BudgetError,
+    BulkLane,
     Door,
     DoorState,
     InFlight,
     RefusalHold,
     admit,
+    is_bulk,
     request_budget_ms,
     shed,
 )
@@ -82,18 +83,30 @@ def test_refusals_are_answered_when_due_in_due_order_and_all_on_close():
 
 
 def test_the_door_admits_up_to_the_limit_in_order_and_refuses_the_rest_naming_the_knob():
-    refused = admit(in_flight=30, limit=32, budgets_ms=[math.inf] * 5)
+    refused = admit(in_flight=30, limit=32, texts=[1] * 5)
     assert sorted(refused) == [2, 3, 4]
-    assert "32 requests are in flight, the limit is 32 (MAX_IN_FLIGHT" in refused[2]
+    assert "32 texts are in flight and this request has 1 text; the limit is 32 texts (MAX_IN_FLIGHT" in refused[2]
 
 
-def test_budget_zero_passes_the_door_and_counts_in_flight():
-    refused = admit(in_flight=31, limit=32, budgets_ms=[0.0, math.inf, 0.0, 180.0])
-    assert sorted(refused) == [1, 3]
+def test_the_door_weighs_texts_and_a_request_larger_than_the_limit_runs_alone():
+    refused = admit(in_flight=24, limit=32, texts=[8, 2, 1], bulk_texts=8)
+    assert sorted(refused) == [1, 2]  # 24 + 8 = 32: full
+    assert "32 texts are in flight and this request has 2 texts; the limit is 32 texts" in refused[1]
+    assert "more than 8 texts or with the request parameter latency_budget_ms 0 waits in the bulk lane" in refused[1]
+    assert admit(in_flight=0, limit=4, texts=[6, 1]) == {1: admit(in_flight=6, limit=4, texts=[1])[0]}
 
 
 def test_no_limit_refuses_nothing():
-    assert admit(in_flight=10_000, limit=0, budgets_ms=[math.inf] * 64) == {}
+    assert admit(in_flight=10_000, limit=0, texts=[64] * 64) == {}
+
+
+@pytest.mark.parametrize(("parameters", "texts", "expected"), [
+    ({}, 8, False), ({}, 9, True), ({"latency_budget_ms": 0}, 1, True), ({"latency_budget_ms": 50}, 1, False),
+    ({"latency_budget_ms": 50}, 64, True), ({"latency_budget_ms": -1}, 1, False),
+])  # fmt: skip
+def test_bulk_is_more_than_bulk_texts_or_budget_zero(parameters, texts, expected):
+    assert is_bulk(parameters, texts, bulk_in_flight=64, bulk_texts=8) is expected
+    assert is_bulk(parameters, texts, bulk_in_flight=0, bulk_texts=8) is False  # no lane: all meet the door
 
 
 S = 1_000_000_000  # ns
@@ -141,8 +154,8 @@ def test_no_door_or_no_flood_latency_keeps_the_configured_limit():
 
 
 def test_a_refusal_under_a_flood_names_the_lowered_limit_and_both_knobs():
-    refused = admit(in_flight=20, limit=20, budgets_ms=[math.inf], max_in_flight=32, flood_ms=100.0)
-    assert "the limit is 20 (under a flood" in refused[0]
+    refused = admit(in_flight=20, limit=20, texts=[1], max_in_flight=32, flood_ms=100.0)
+    assert "the limit is 20 texts (under a flood" in refused[0]
     assert "FLOOD_LATENCY_MS, 100 ms, from half of MAX_IN_FLIGHT to all of it, 32, in" in refused[0]
 
 
@@ -157,6 +170,8 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
         encoder.reset(32, 1_000_000_000, 100_000_000)  # MAX_IN_FLIGHT, REFUSAL_HOLD_MS, FLOOD_LATENCY_MS
         tokenizer.reset()  # a tokenizer loading keeps them
         assert tokenizer.door() == DoorState(0, 32, 1_000_000_000, 100_000_000, answered=0)
+        encoder.reset(bulk=(64, 2048, 8))  # BULK_IN_FLIGHT, BULK_QUEUE, BULK_TEXTS
+        assert tokenizer.door()[-3:] == (64, 2048, 8) and tokenizer.door().limit == 32
         encoder.started()  # busy: the count stands however long
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
@@ -177,3 +192,70 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
     finally:
         for count in (tokenizer, elsewhere):
             count.path.unlink(missing_ok=True)
+
+
+class FakeFlight:
+    """An in-flight count the lane reads, moved by the test as the encoder would."""
+
+    def __init__(self, count: int = 0, bulk_in_flight: int = 64, interactive_ns: int = 0) -> None:
+        self.state = DoorState(count, 32, S, S // 10, 0, 0, interactive_ns, bulk_in_flight, 256, 8)
+        self.lock = threading.Lock()
+
+    def door(self) -> DoorState:
+        with self.lock:
+            return self.state
+
+    def add(self, texts: int, bulk: int = 0) -> int:
+        with self.lock:
+            self.state = self.state._replace(count=self.state.count + texts, bulk=self.state.bulk + bulk)
+            return self.state.count
+
+    def answer(self, bulk: int) -> None:
+        with self.lock:
+            self.state = self.state._replace(bulk=self.state.bulk - bulk)
+
+
+def wait_for(condition, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_bulk_lane_hands_on_in_order_within_its_share_and_refuses_past_its_queue():
+    flight = FakeFlight(count=1)  # an interactive request in flight: the share is BULK_IN_FLIGHT, 64
+    lane = BulkLane(flight)  # type: ignore[arg-type]
+    sent: list[str] = []
+    try:
+        for name, texts in (("a", 64), ("b", 32), ("c", 32), ("d", 64)):
+            assert lane.offer(texts, lambda n=name: sent.append(n), bulk_queue=256) is None
+        wait_for(lambda: sent == ["a"])  # 64 texts fill the share: b waits
+        time.sleep(0.05)
+        assert sent == ["a"] and lane.waiting() == 128 and flight.door().bulk == 64
+        message = lane.offer(200, lambda: sent.append("e"), bulk_queue=256)
+        assert message == ("overloaded: 128 bulk texts are waiting and this request has 200; the limit is 256 texts "
+                           "(BULK_QUEUE in the encoder's config). Retry with backoff")  # fmt: skip
+        flight.answer(64)
+        wait_for(lambda: sent == ["a", "b", "c"])  # 32 + 32 fit the share
+        time.sleep(0.05)
+        assert sent == ["a", "b", "c"]
+        flight.answer(32)
+        time.sleep(0.05)
+        assert sent == ["a", "b", "c"]  # 32 + 64 > 64
+        flight.answer(32)
+        wait_for(lambda: sent == ["a", "b", "c", "d"])  # none in flight: the head goes, whatever its size
+    finally:
+        lane.close()
+
+
+def test_with_no_interactive_request_for_a_second_the_lane_takes_twice_its_share_and_close_hands_on_all():
+    flight = FakeFlight(count=0, interactive_ns=time.monotonic_ns() - 2 * S)
+    lane = BulkLane(flight)  # type: ignore[arg-type]
+    sent: list[int] = []
+    for k in range(4):
+        lane.offer(64, lambda k=k: sent.append(k), bulk_queue=0)
+    wait_for(lambda: sent == [0, 1])
+    time.sleep(0.05)
+    assert sent == [0, 1] and flight.door().bulk == 128
+    lane.close()  # unloading: nothing accepted is lost
+    assert sent == [0, 1, 2, 3]
