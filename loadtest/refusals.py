@@ -1,7 +1,8 @@
 """The server's refusals over a run, sampled from Triton's ``/metrics``.
 
-The tokenizer refuses the requests past ``MAX_IN_FLIGHT`` and the encoder those that waited longer than their
-latency budget in its queue (python_backends/triton_embed_protocol/overload.py, docs/overload.md); both count them in
+The tokenizer refuses the interactive requests past ``MAX_IN_FLIGHT`` texts and the bulk ones past ``BULK_QUEUE``, and
+the encoder those that waited longer than their latency budget in its queue
+(python_backends/triton_embed_protocol/overload.py, docs/overload.md); both count them in
 ``triton_embed_shed_requests_total`` (labels ``model="tokenizer"`` and ``model="encoder"``); a run's failures and
 tail are read against that count, second by second. The libtorch encoder publishes no such counter: then nothing is
 sampled.

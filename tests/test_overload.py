@@ -4,10 +4,13 @@ and that it refuses nothing it can serve in time, and keeps its goodput under cl
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -254,10 +257,32 @@ def test_one_text_requests_beside_a_flood_of_bulk_jobs_are_answered_within_the_s
     # 16 raw-tritonclient loops of 64-text requests with latency_budget_ms 0, sending again at once, beside 2 loops
     # of one text without parameters: the bulk lane keeps about one 64-text request ahead of a one-text request.
     texts = sts_texts(60_000, "bulk-beside")
-    one, bulk = asyncio.run(
-        _loop_groups(fresh_server.grpc_url, texts, [(2, 1, None), (16, 64, {"latency_budget_ms": 0})], 8.0, 2.0)
-    )
-    print(one, bulk)  # shown when the test fails
+    (count,) = Path("/dev/shm").glob(f"triton-embed-{fresh_server.pid}-*.in-flight")  # overload.InFlight's file
+    bulk_in_flight: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:  # (s since the start, bulk texts in flight), every 10 ms, under the file's lock
+        start = time.monotonic()
+        while not done.wait(0.01):
+            with count.open("rb") as f:
+                fcntl.flock(f, fcntl.LOCK_SH)
+                bulk_in_flight.append((time.monotonic() - start, struct.unpack("<" + "q" * 11, f.read())[6]))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        one, bulk = asyncio.run(
+            _loop_groups(fresh_server.grpc_url, texts, [(2, 1, None), (16, 64, {"latency_budget_ms": 0})], 8.0, 2.0)
+        )
+    finally:
+        done.set()
+        sampler.join()
+    print(one, bulk, max(b for _, b in bulk_in_flight))  # shown when the test fails
+    # The bulk loops never hold more than their share of the service, however many of their requests wait:
+    # BULK_IN_FLIGHT, 64 texts, while the one-text loops send (from their first request to the window's end at 10 s;
+    # twice that before it and after it, a second without one).
+    assert max(b for _, b in bulk_in_flight) <= 128
+    assert max(b for t, b in bulk_in_flight if 1.0 < t < 9.5) == 64
     assert one.refused_per_s == 0 and one.other_errors == 0 and one.ok_per_s > 0
     assert bulk.refused_per_s == 0 and bulk.other_errors == 0 and bulk.ok_per_s > 0
     # Generous for a noisy CI on 2 cores (two 64-text executions are ~0.5 s at fp32); without the lane a one-text

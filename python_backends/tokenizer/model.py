@@ -298,14 +298,15 @@ class TritonPythonModel:
                         flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts)  # fmt: skip
         for k, message in refused.items():
             self._refuse(requests[interactive[k]], message, arrived_ns + state.hold_ns, texts[interactive[k]])
+        if refused:
+            self._shed_metric.increment(len(refused))  # once per execution: each call is a message to the server
         return {interactive[k] for k in refused}, bulk, state
 
     def _refuse(self, request, message: str, due_ns: int, weight: int) -> None:
-        """Answer ``request`` UNAVAILABLE with ``message`` at ``due_ns``; count it in the refusal metric."""
+        """Answer ``request`` UNAVAILABLE with ``message`` at ``due_ns`` (the caller counts it in the metric)."""
         error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
         response = pb_utils.InferenceResponse(output_tensors=[], error=error)
         self.refusals.hold(due_ns, _answer(request, response), weight)
-        self._shed_metric.increment(1)
 
     def execute(self, requests: list) -> None:
         """Refuse at the door past ``MAX_IN_FLIGHT``; tokenise the rest's texts in two calls at most (END/NONE, START).
@@ -371,7 +372,7 @@ class TritonPythonModel:
         """Answer each request not refused: its error, its tokens now, or (a bulk request) its tokens in its turn."""
         queued_ns = time.monotonic_ns()
         responses = {}
-        handed_on = 0
+        handed_on = lane_full = 0
         for i, texts in enumerate(texts_per_request):
             if i in refused:
                 continue
@@ -384,9 +385,12 @@ class TritonPythonModel:
             if i in bulk and counted:
                 if message := self.bulk_lane.offer(len(texts), _later(requests[i], ids, mask), state.bulk_queue):
                     self._refuse(requests[i], message, arrived_ns + state.hold_ns, 0)
+                    lane_full += 1
                 continue
             responses[i] = _response(ids, mask, queued_ns)
             handed_on += len(texts) if counted else 0
+        if lane_full:
+            self._shed_metric.increment(lane_full)
         if handed_on:
             self.in_flight.add(handed_on)  # before the answers: the encoder's count-down must not come first
         for i, response in responses.items():

@@ -40,8 +40,8 @@ from triton_embed_protocol import BUDGET, budget_problem
 METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
 METRIC_HELP = (
-    "Requests answered UNAVAILABLE as overloaded: at the tokenizer (MAX_IN_FLIGHT reached) or at the encoder "
-    "(waited longer than its latency budget)"
+    "Requests answered UNAVAILABLE as overloaded: at the tokenizer (MAX_IN_FLIGHT or BULK_QUEUE reached) or at the "
+    "encoder (waited longer than its latency budget)"
 )
 
 
@@ -439,7 +439,7 @@ class BulkLane:
     QUIET_NS = 1_000_000_000
     """No interactive request for this long, ns: the bulk lane may fill the whole service (1 s)."""
     POLL_S = 0.002
-    """How often the lane reads the in-flight file while requests wait, s: a fraction of a bulk execution (~120 ms
+    """How often the lane reads the in-flight file while requests wait, s: a fraction of a bulk execution (80-160 ms
     for 64 texts on 2 cores, docs/benchmarks.md, "Admission by work")."""
 
     def __init__(self, in_flight: InFlight) -> None:

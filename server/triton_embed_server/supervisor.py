@@ -8,11 +8,13 @@ reloads that model through the model repository API (``POST /v2/repository/model
 current config plus a fresh ``TRITON_EMBED_RELOAD`` parameter as override, which forces a new load while the old
 instance keeps answering), using the admin header. A stub that dies before any look sees it (within 0.25 s of its
 own start) is a dead stub child it does not know: once the server is ready, the models with fewer live stubs than
-instances are reloaded (:meth:`StubWatchdog._short_of_stubs`).
+instances are reloaded (:meth:`StubWatchdog._staffing`).
 
 "Died" means the stub is a zombie child of ``tritonserver``: Triton 2.51 does not reap a stub that crashed, while
 one that Triton stops itself (an unload, an operator's reload, the watchdog's own reload, shutdown) is reaped at
-once and simply vanishes; it is not counted as dead, or each reload would set off the next one.
+once and simply vanishes; it is not counted as dead, or each reload would set off the next one. On a busy machine
+such a stub can stay a zombie past the look's confirmation: a dead stub whose model is READY with every stub alive
+is taken for one a reload retired, not for a crash.
 
 Run as a script (``python3 supervisor.py --server-pid PID``, stdlib only, Python >= 3.10) it is the compose
 deployment's watchdog: docker/triton-entrypoint.sh starts it beside ``tritonserver`` in the container, and runs
@@ -258,10 +260,20 @@ class StubWatchdog:
         dead = crashed_stubs(self.server_pid, known)
         if dead and not server_answers(self.http_url, "live"):  # starting (endpoints come up after loads) or stopping
             return known | stub_processes(self.server_pid)
+        staffing = self._staffing() if dead else {}
+        if staffing is None:  # the server did not answer: look again next time
+            return known | stub_processes(self.server_pid)
+        # A READY model with every stub alive lost none: its dead stub is one a reload retired, that Triton has not
+        # reaped yet on a busy machine (not a crash). _catch_unknown accounts for it if it stays a zombie.
+        retired = {pid for pid, m in dead.items() if m in staffing and staffing[m][0] >= staffing[m][1]}
+        if retired:
+            log.info("stub process %s exited with its model's stubs all alive (a reload); not a crash",
+                     ", ".join(map(str, sorted(retired))))  # fmt: skip
+        crashed = {pid: m for pid, m in dead.items() if pid not in retired}
         failed = {}
-        for model in sorted(set(dead.values())):
+        for model in sorted(set(crashed.values())):
             if self._stop.is_set() or not self._reload(model):
-                failed |= {pid: m for pid, m in dead.items() if m == model}
+                failed |= {pid: m for pid, m in crashed.items() if m == model}
         # A stub that died after crashed_stubs looked is a zombie now, which stub_processes leaves out: keep it. Looked
         # for after stub_processes, so that one dying while /proc is scanned is in one or the other, and reloaded.
         alive = stub_processes(self.server_pid)
@@ -277,7 +289,7 @@ class StubWatchdog:
 
         A zombie stub child of the server that is not in ``known`` is such a stub (a zombie has no command line
         left to name its model), once it is still there ``confirm_s`` later (a stub Triton stops is a zombie only
-        until Triton reaps it). The models short of stubs (:meth:`_short_of_stubs`) are reloaded, which reaps it.
+        until Triton reaps it). The models short of stubs (:meth:`_staffing`) are reloaded, which reaps it.
         """
         unknown = set(dead_stub_children(self.server_pid)) - set(known) - self._unknown_dead
         if not unknown:
@@ -286,16 +298,17 @@ class StubWatchdog:
         unknown &= set(dead_stub_children(self.server_pid))
         if not unknown:
             return
-        short = self._short_of_stubs()
-        if short is None:  # the server did not answer: look again next time
+        staffing = self._staffing()
+        if staffing is None:  # the server did not answer: look again next time
             return
+        short = [model for model, (alive, instances) in staffing.items() if alive < instances]
         log.warning("stub process %s died before it was watched; short of stubs: %s",
                     ", ".join(map(str, sorted(unknown))), ", ".join(short) or "no model")  # fmt: skip
         if all([self._reload(model) for model in short]):
             self._unknown_dead |= unknown  # counted for: not again, even if Triton never reaps it
 
-    def _short_of_stubs(self) -> list[str] | None:
-        """READY models of a Python-based backend (config ``runtime: model.py``) with fewer live stubs than instances.
+    def _staffing(self) -> dict[str, tuple[int, int]] | None:
+        """READY models of a Python-based backend (config ``runtime: model.py``): ``{model: (live stubs, instances)}``.
 
         Instances: the config's ``instance_group`` counts, each times its GPUs (at least 1). None when the server
         did not answer (the repository index is an admin API: the watchdog's header unlocks it).
@@ -308,7 +321,7 @@ class StubWatchdog:
             with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
                 index = json.loads(response.read())
             alive = list(stub_processes(self.server_pid).values())
-            short = []
+            staffing = {}
             for model in sorted({entry["name"] for entry in index if entry.get("state") == "READY"}):
                 with urllib.request.urlopen(f"{base}/models/{model}/config", timeout=10) as response:  # noqa: S310
                     config = json.loads(response.read())
@@ -316,12 +329,11 @@ class StubWatchdog:
                     continue
                 groups = config.get("instance_group") or [{}]
                 instances = sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups)
-                if alive.count(model) < instances:
-                    short.append(model)
+                staffing[model] = (alive.count(model), instances)
         except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
             log.error("counting the stubs per model failed: %s", exc)
             return None
-        return short
+        return staffing
 
     def _reload(self, model: str) -> bool:
         """Reload ``model`` with its current config (see the module docstring); False if that failed."""
