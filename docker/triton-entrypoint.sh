@@ -63,6 +63,15 @@ else
     echo "triton-embed: no driver check at $driver_check: tritonserver starts unchecked" >&2
 fi
 
+# OpenTelemetry's variables (OTEL_EXPORTER_OTLP_ENDPOINT & co) as tritonserver's --trace-config flags
+# (server/triton_embed_server/tracing.py, stdlib only); none when the endpoint is unset.
+tracer="${TRITON_EMBED_TRACING:-/opt/triton-embed/tracing.py}"
+trace_args=()
+if [[ -f "$tracer" ]]; then
+    trace_flags="$(python3 "$tracer" </dev/null)" || exit 2  # a variable it cannot follow: the reason on stderr
+    if [[ -n "$trace_flags" ]]; then mapfile -t trace_args <<<"$trace_flags"; fi
+fi
+
 server_pid=""
 stopped_stuck=0
 watchdog="${TRITON_EMBED_WATCHDOG:-/opt/triton-embed/supervisor.py}"  # the stub watchdog, also the stop's end
@@ -89,7 +98,7 @@ drain_then_stop() {
 }
 trap drain_then_stop TERM INT
 
-"${TRITONSERVER:-tritonserver}" "$@" \
+"${TRITONSERVER:-tritonserver}" "$@" "${trace_args[@]}" \
     "--http-restricted-api=${restricted_apis}:${admin_header}=${admin_key}" \
     "--grpc-restricted-protocol=${restricted_apis}:${admin_header}=${admin_key}" </dev/null &
 server_pid=$!

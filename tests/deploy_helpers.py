@@ -252,6 +252,7 @@ def compose_server_running(
         TRITON_EMBED_WATCHDOG=str(ROOT / "server" / "triton_embed_server" / "supervisor.py"),
         TRITON_EMBED_DRAIN=str(ROOT / "server" / "triton_embed_server" / "drain.py"),
         TRITON_EMBED_DRIVER_CHECK=str(ROOT / "server" / "triton_embed_server" / "driver_check.py"),
+        TRITON_EMBED_TRACING=str(ROOT / "server" / "triton_embed_server" / "tracing.py"),
         **{k: v for k, v in resolved()["services"]["triton"]["environment"].items() if k != "TRITON_EMBED_ADMIN_KEY"},
     )
     argv, preexec = _spawn_args(["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args])

@@ -73,10 +73,23 @@ def test_plain_up_starts_triton_and_the_gateway_and_the_profile_adds_the_monitor
         "gpu-monitor": ("monitoring",),
         "prometheus": ("monitoring",),
         "grafana": ("monitoring",),
+        "jaeger": ("monitoring",),
     }
     for name, service in services.items():
         if not profiles[name]:  # `docker compose up` fails if a default service depends on a profiled one
             assert all(not profiles[dep] for dep in service.get("depends_on", {})), name
+
+
+def test_one_variable_sends_triton_and_the_gateway_traces_to_the_profiles_jaeger():
+    services = resolved(OTEL_EXPORTER_OTLP_ENDPOINT="http://jaeger:4318")["services"]
+    for name in ("triton", "gateway"):
+        environment = services[name]["environment"]
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+        assert environment["OTEL_SERVICE_NAME"] == "triton-embed", name
+    assert all(not v for k, v in resolved()["services"]["triton"]["environment"].items() if k.endswith("ENDPOINT"))
+    jaeger = services["jaeger"]
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert jaeger["ports"] == ["127.0.0.1:16686:16686/tcp"]  # its UI, this machine only; OTLP stays inside
 
 
 def test_gateway_service_talks_grpc_to_triton_once_it_is_healthy():
@@ -349,13 +362,15 @@ def test_dockerfile_installs_every_backend_and_the_context_carries_what_it_copie
     watchdog, drainer = "/opt/triton-embed/supervisor.py", "/opt/triton-embed/drain.py"
     assert ["server/triton_embed_server/supervisor.py", watchdog] in copies
     assert ["server/triton_embed_server/drain.py", drainer] in copies
-    checker = "/opt/triton-embed/driver_check.py"
+    checker, tracer = "/opt/triton-embed/driver_check.py", "/opt/triton-embed/tracing.py"
     assert ["server/triton_embed_server/driver_check.py", checker] in copies
+    assert ["server/triton_embed_server/tracing.py", tracer] in copies
     assert ["docker/requirements-triton.lock", f"/tmp/{IMAGE_LOCK.name}"] in copies
     entrypoint = (ROOT / "docker" / "triton-entrypoint.sh").read_text()
     assert f'driver_check="${{TRITON_EMBED_DRIVER_CHECK:-{checker}}}"' in entrypoint
     assert f'watchdog="${{TRITON_EMBED_WATCHDOG:-{watchdog}}}"' in entrypoint
     assert f'drainer="${{TRITON_EMBED_DRAIN:-{drainer}}}"' in entrypoint
+    assert f'tracer="${{TRITON_EMBED_TRACING:-{tracer}}}"' in entrypoint
 
 
 def test_the_monitor_image_install_carries_the_monitor(tmp_path):

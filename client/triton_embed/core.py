@@ -43,7 +43,7 @@ from triton_embed.endpoints import EndpointPool, EndpointState, resolve_all
 from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
 from triton_embed.inputs import Embeddings
 from triton_embed.request_builder import OUTPUT, CallOptions, RequestBuilder
-from triton_embed.settings import Settings, copied
+from triton_embed.settings import Settings, copied, traced
 from triton_embed.shm import Region, ShmPool, close_pool_at_exit, region_in_use, release_pauses
 
 P = ParamSpec("P")
@@ -401,7 +401,8 @@ class ClientCore:
         """
         if self.protocol == "grpc":
             kwargs.setdefault("client_timeout", self.settings.timeout_s)
-        return (yield Call(method, args, {"headers": copied(self.settings.headers), **kwargs}, wait_s, endpoint))
+        headers = traced(copied(self.settings.headers))  # the caller's span's context, when there is one
+        return (yield Call(method, args, {"headers": headers, **kwargs}, wait_s, endpoint))
 
     def _as_json(self) -> dict[str, Any]:
         """Keyword arguments that make a gRPC answer JSON, as HTTP's always is."""

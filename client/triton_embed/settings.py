@@ -144,6 +144,23 @@ class Settings:
         return replace(settings, headers=copied(headers))  # the caller's dict stays the caller's
 
 
+def traced(headers: dict[str, str] | None) -> dict[str, str] | None:
+    """``headers`` with the caller's OpenTelemetry context (W3C ``traceparent``) when a sampled span is current.
+
+    Only with ``opentelemetry-api`` installed (the extra ``triton-embed[tracing]``); without it, or without a
+    sampled span, ``headers`` as given. Triton then traces the request as a child of the caller's span.
+    """
+    try:
+        from opentelemetry import propagate, trace
+    except ImportError:
+        return headers
+    if not trace.get_current_span().get_span_context().trace_flags.sampled:
+        return headers
+    carrier = dict(headers or {})
+    propagate.inject(carrier)
+    return carrier
+
+
 def copied(headers: dict[str, str] | None) -> dict[str, str] | None:
     """A fresh copy of ``headers`` for one call.
 

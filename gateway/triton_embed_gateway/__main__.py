@@ -10,6 +10,7 @@ import uvicorn
 
 from triton_embed_gateway.app import DEFAULT_PAYLOAD_LIMIT, GatewaySettings, build_app
 from triton_embed_gateway.protocol import DEFAULT_MAX_INPUTS
+from triton_embed_gateway.tracing import Tracing
 from triton_embed_gateway.triton import TritonEmbedder
 
 API_KEY_ENV = "TRITON_EMBED_API_KEY"
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         payload_limit=args.payload_limit,
         max_inputs=args.max_inputs,
     )
-    app = build_app(TritonEmbedder(args.triton, args.model, args.timeout), settings)
+    tracing = Tracing.from_environment()  # OTEL_EXPORTER_OTLP_ENDPOINT & co; off without an endpoint
+    app = build_app(TritonEmbedder(args.triton, args.model, args.timeout, tracing), settings)
     print(
         f"triton-embed-gateway: http://{args.host}:{args.port}/v1/embeddings -> grpc://{args.triton} ({args.model})",
         flush=True,

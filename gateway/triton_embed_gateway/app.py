@@ -34,6 +34,7 @@ from triton_embed_gateway.protocol import (
     openai_response,
     tei_request,
 )
+from triton_embed_gateway.tracing import Tracing, annotate, record_status
 from triton_embed_gateway.triton import TritonEmbedder
 
 DEFAULT_PAYLOAD_LIMIT = 2_000_000
@@ -120,12 +121,16 @@ async def read_json(request: Request, limit: int) -> Any:
         raise invalid("body", f"the body is not valid JSON: {exc}") from exc
 
 
-def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
+def build_app(  # noqa: PLR0915 - the routes are closures over one application's state
+    embedder: TritonEmbedder, settings: GatewaySettings, tracing: Tracing | None = None
+) -> Starlette:
     """The ASGI application answering for ``embedder``'s Triton server.
 
-    The embedder's channel is closed when the application shuts down.
+    ``tracing``: a server span per request of the embedding routes (default: the embedder's, off unless set up).
+    The embedder's channel is closed and the spans still queued are exported when the application shuts down.
     """
     metrics = Metrics()
+    tracing = tracing or embedder.tracing
 
     def authorised(request: Request) -> bool:
         if settings.api_key is None:
@@ -136,18 +141,24 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
     def route(
         name: str, handler: Callable[[Request], Awaitable[Response]], *, needs_key: bool = False, tei: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
+        traced = needs_key  # the embedding routes; not probes and scrapes
+
         async def endpoint(request: Request) -> Response:
             started = time.perf_counter()
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            try:
-                if needs_key and not authorised(request):
-                    raise ApiError(
-                        401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                        code="invalid_api_key",
-                    )  # fmt: skip
-                response = await handler(request)
-            except ApiError as error:
-                response = error_response(error, tei=tei)
+            span = tracing.request(name, request.method, request.headers) if traced else contextlib.nullcontext()
+            with span:
+                try:
+                    if needs_key and not authorised(request):
+                        raise ApiError(
+                            401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                            code="invalid_api_key",
+                        )  # fmt: skip
+                    response = await handler(request)
+                    record_status(response.status_code)
+                except ApiError as error:
+                    response = error_response(error, tei=tei)
+                    record_status(error.status, error.message)
             response.headers["X-Request-Id"] = request_id
             took = time.perf_counter() - started
             labels = {"route": name, "code": str(response.status_code)}
@@ -159,9 +170,11 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
         return endpoint
 
     async def embed(request: EmbedRequest, field: str) -> tuple[Vectors, Counts]:
+        annotate(texts=len(request.texts), model=settings.served_model)
         vectors, tokens = await embedder.embed(request, field)
         metrics.texts.inc(len(request.texts))
         metrics.tokens.inc(int(tokens.sum()))
+        annotate(tokens=int(tokens.sum()))
         return vectors, tokens
 
     async def openai_embeddings(request: Request) -> Response:
@@ -216,5 +229,6 @@ def build_app(embedder: TritonEmbedder, settings: GatewaySettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await embedder.close()
+        tracing.shutdown()
 
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)

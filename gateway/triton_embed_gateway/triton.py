@@ -20,6 +20,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, Vectors, shorten
+from triton_embed_gateway.tracing import Tracing
 
 TEXT, PROMPT_NAME, TRUNCATE = "TEXT", "PROMPT_NAME", "TRUNCATE"
 EMBEDDING, TOKEN_COUNT = "EMBEDDING", "TOKEN_COUNT"
@@ -90,10 +91,13 @@ class TritonEmbedder:
         url: Triton's gRPC ``host:port``.
         model: the ensemble's name.
         timeout_s: deadline of each Triton request, seconds.
+        tracing: a client span per Triton request, its context in the request's gRPC metadata when sampled
+            (default: off).
     """
 
-    def __init__(self, url: str, model: str = "embed", timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, model: str = "embed", timeout_s: float = 30.0, tracing: Tracing | None = None) -> None:
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.tracing = tracing or Tracing.off()
         self._channel: grpcclient.InferenceServerClient | None = None
         self._info: ModelInfo | None = None
 
@@ -161,12 +165,14 @@ class TritonEmbedder:
         budget = 0 if bulk else request.latency_budget_ms
         parameters = None if budget is None else {"latency_budget_ms": budget}
         errors = functools.partial(api_error, offset=offset, field=field, prompt_field=request.prompt_field)
-        try:
-            result = await self._client.infer(
-                self.model, inputs, outputs=outputs, parameters=parameters, client_timeout=self.timeout_s
-            )
-        except InferenceServerException as exc:
-            raise errors(exc) from exc
+        with self.tracing.triton_call(self.model, len(texts)) as metadata:
+            try:
+                result = await self._client.infer(
+                    self.model, inputs, outputs=outputs, parameters=parameters, client_timeout=self.timeout_s,
+                    headers=metadata or None,
+                )  # fmt: skip
+            except InferenceServerException as exc:
+                raise errors(exc) from exc
         counts = result.as_numpy(TOKEN_COUNT)
         if counts is None:  # a cache hit on a response first asked for without it
             counts = await self._token_counts(inputs, errors)

@@ -22,6 +22,7 @@ from triton_embed_server.embedded import (
     StopFlag,
 )
 from triton_embed_server.layout import LayoutError
+from triton_embed_server.tracing import TraceConfigError, traces_url, triton_trace_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +65,11 @@ def serve(args: argparse.Namespace) -> int:
     times within 10 minutes. The admin key comes from ``TRITON_EMBED_ADMIN_KEY`` (else a random one).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        trace_args = triton_trace_args(os.environ)  # OTEL_EXPORTER_OTLP_ENDPOINT & co: Triton's traces on
+    except TraceConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     server = EmbeddedServer(
         host=args.host,
         http_port=args.http_port,
@@ -73,6 +79,7 @@ def serve(args: argparse.Namespace) -> int:
         model_config_name=args.model_config_name,
         log_verbose=args.log_verbose,
         admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
+        extra_args=trace_args,
     )
     stop = install_stop_handlers()
     try:
@@ -88,6 +95,8 @@ def serve(args: argparse.Namespace) -> int:
     gateway = Gateway(server.grpc_url, args.host, args.gateway_port) if args.gateway_port else None
     if gateway is not None and not gateway.start():
         return _stop(server, "stopping tritonserver (the gateway did not start) ...")
+    traced = "Triton and the gateway" if gateway else "Triton"
+    trace_note = f"  traces  OTLP {traces_url(os.environ)} ({traced})\n" if trace_args else ""
     key_note = (
         f" = ${ADMIN_KEY_ENV}" if os.environ.get(ADMIN_KEY_ENV) else f" (locked: set {ADMIN_KEY_ENV} to use them)"
     )
@@ -97,6 +106,7 @@ def serve(args: argparse.Namespace) -> int:
         f"  gRPC    {server.grpc_url}\n"
         f"  metrics {server.metrics_url}\n"
         f"{gateway.banner() if gateway else ''}"
+        f"{trace_note}"
         f"Admin APIs (model repository, shared memory, logging, trace) need header '{server.config.admin_header}'"
         f"{key_note}.\n"
         f"{_exposure_note(args.host)}"

@@ -1,0 +1,118 @@
+"""OpenTelemetry traces as an operator receives them: one switch, one trace from the caller through every stage.
+
+A real tritonserver and a real gateway process, both started with ``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at a small
+OTLP/HTTP receiver on a loopback port (tests/otlp_receiver.py), which decodes what they export.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+from helpers import running_until_ready
+from otlp_receiver import OtlpReceiver, ReceivedSpan
+from test_gateway import post
+from triton_embed_server.embedded import EmbeddedServer, free_port
+from triton_embed_server.tracing import triton_trace_args
+
+from bench.run import variant_repository
+
+SERVICE = "triton-embed-traced"
+SERVER_KIND, CLIENT_KIND = 2, 3  # OTLP's SpanKind
+TRITON_STEPS = {"InferRequest", "embed", "tokenizer", "encoder"}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """(receiver, gateway base URL, server): Triton and the gateway exporting to the receiver; response cache off."""
+    tmp = tmp_path_factory.mktemp("traced")
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": SERVICE,
+               "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test", "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
+        repo = variant_repository(tmp / "repo", None)
+        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log",
+                            extra_args=triton_trace_args(env)) as server:  # fmt: skip
+            port = free_port()
+            log = tmp / "gateway.log"
+            command = [sys.executable, "-m", "triton_embed_gateway", "--triton", server.grpc_url, "--port", str(port)]
+            with log.open("w") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+            base = f"http://127.0.0.1:{port}"
+            with running_until_ready(process, log, f"{base}/health", "the gateway", timeout_s=30):
+                yield receiver, base, server
+
+
+def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
+    """The spans of one request by name (each once), but Triton's ``compute`` spans, one under each step."""
+    named = [s for s in spans if s.name != "compute"]
+    assert len(named) == len({s.name for s in named}), [s.name for s in named]
+    return {s.name: s for s in named}
+
+
+def test_one_trace_follows_a_request_from_the_caller_through_the_gateway_and_every_triton_step(traced):
+    receiver, base, _ = traced
+    trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
+    status, body, _ = post(f"{base}/v1/embeddings", {"input": f"followed through every stage {trace_id}"},
+                           {"traceparent": f"00-{trace_id}-{caller}-01"})  # fmt: skip
+    assert status == 200 and len(body["data"]) == 1
+    spans = by_name(receiver.wait_for(trace_id, {"POST /v1/embeddings", "triton embed", *TRITON_STEPS}))
+    api, call, infer = spans["POST /v1/embeddings"], spans["triton embed"], spans["InferRequest"]
+    assert (api.parent, api.kind) == (caller, SERVER_KIND)  # continues the caller's trace
+    assert (call.parent, call.kind) == (api.span_id, CLIENT_KIND)
+    assert infer.parent == call.span_id  # Triton's root span is the gateway's call
+    assert spans["embed"].parent == infer.span_id
+    assert spans["tokenizer"].parent == spans["embed"].span_id and spans["encoder"].parent == spans["embed"].span_id
+    computes = [s for s in receiver.trace(trace_id) if s.name == "compute"]  # each step's queue and compute times
+    assert sorted(s.parent for s in computes) == sorted([spans["tokenizer"].span_id, spans["encoder"].span_id])
+    assert all({"COMPUTE_START", "COMPUTE_END"} <= set(s.events) for s in computes), [s.events for s in computes]
+    assert {s.service for s in spans.values()} == {SERVICE}
+    assert api.attributes["http.route"] == "/v1/embeddings" and api.attributes["http.response.status_code"] == 200
+    assert api.attributes["texts"] == 1 and api.attributes["tokens"] > 2 and api.attributes["model"] == "embed"
+    assert call.attributes["texts"] == 1 and call.attributes["triton.model"] == "embed"
+
+
+def test_a_request_without_a_traceparent_starts_a_trace_that_still_reaches_triton(traced):
+    receiver, base, _ = traced
+    marker = secrets.token_hex(8)
+    status, _, _ = post(f"{base}/embed", {"inputs": [f"a TEI request {marker}", f"and another {marker}"]})
+    assert status == 200
+    api = receiver.first(lambda s: s.name == "POST /embed" and s.attributes.get("texts") == 2)
+    spans = by_name(receiver.wait_for(api.trace_id, {"POST /embed", "triton embed", *TRITON_STEPS}))
+    assert api.parent == "" and spans["InferRequest"].parent == spans["triton embed"].span_id
+
+
+def test_a_refused_request_names_the_overload_rule_on_its_span(traced):
+    receiver, base, _ = traced
+    trace_id = secrets.token_hex(16)
+    request = {"input": f"too short a budget {trace_id}", "latency_budget_ms": 0.001}
+    status, body, _ = post(
+        f"{base}/v1/embeddings", request, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+    )
+    assert status == 503, body
+    api = by_name(receiver.wait_for(trace_id, {"POST /v1/embeddings"}))["POST /v1/embeddings"]
+    assert api.attributes["http.response.status_code"] == 503
+    assert api.attributes["overload.rule"] == "latency_budget_ms"
+    assert "over the 0.001 ms latency budget" in api.attributes["overload.message"]
+
+
+def test_without_the_variables_nothing_is_traced():
+    assert triton_trace_args({}) == ()
+    disabled = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_SDK_DISABLED": "true"}
+    assert triton_trace_args(disabled) == ()
+
+
+def test_the_client_library_carries_the_callers_span_to_triton(traced):
+    from opentelemetry.sdk.trace import TracerProvider
+    from triton_embed import EmbeddingClient
+
+    receiver, _, server = traced
+    tracer = TracerProvider().get_tracer("a caller")  # the caller's own tracing; nothing of it is exported here
+    with tracer.start_as_current_span("indexing job") as span, EmbeddingClient(url=server.grpc_url) as client:
+        client.embed([f"carried by the client {span.get_span_context().span_id}"])
+        context = span.get_span_context()
+    trace_id, caller = f"{context.trace_id:032x}", f"{context.span_id:016x}"
+    spans = by_name(receiver.wait_for(trace_id, TRITON_STEPS))
+    assert spans["InferRequest"].parent == caller
