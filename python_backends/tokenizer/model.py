@@ -79,16 +79,21 @@ from triton_embed_protocol.overload import (
 END, START, NONE = MODES = ("END", "START", "NONE")
 
 
-def decode_texts(tensor, max_bytes: int) -> list[str]:
-    """Decode a TEXT tensor (``[n, 1]`` of UTF-8 bytes) into ``n`` strings.
+def text_array(request) -> np.ndarray | None:
+    """The request's ``TEXT`` input as numpy (object ``[n, 1]``), read once per execution; None when it has none."""
+    tensor = pb_utils.get_input_tensor_by_name(request, TEXT)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def decode_texts(array: np.ndarray | None, max_bytes: int) -> list[str]:
+    """Decode a TEXT input (:func:`text_array`: ``[n, 1]`` of UTF-8 bytes) into ``n`` strings.
 
     Raises:
-        RequestError: the tensor is missing, not ``[n, 1]``, has no rows, or a row is longer than ``max_bytes``,
+        RequestError: the input is missing, not ``[n, 1]``, has no rows, or a row is longer than ``max_bytes``,
             is not valid UTF-8, or holds a NUL byte.
     """
-    if tensor is None:
+    if array is None:
         raise RequestError(f"missing input tensor '{TEXT}'")
-    array = tensor.as_numpy()
     if array.ndim != 2 or array.shape[1] != 1:
         raise RequestError(f"input '{TEXT}' must have shape [batch, 1]; got {list(array.shape)}")
     if array.shape[0] == 0:
@@ -262,13 +267,14 @@ class TritonPythonModel:
         keep(self._shed_metric, self._shed_family)
 
     def _refuse_at_the_door(
-        self, requests: list, parameters: list[dict], arrived_ns: int, errors: dict
+        self, requests: list, parameters: list[dict], arrays: list, arrived_ns: int, errors: dict
     ) -> tuple[set[int], set[int], DoorState]:
         """Sort the requests into the bulk lane and the door; refuse those past ``MAX_IN_FLIGHT`` (``overload.admit``).
 
         Args:
             requests: this execution's requests.
             parameters: their parsed parameters.
+            arrays: their ``TEXT`` inputs (:func:`text_array`), which give their texts.
             arrived_ns: when this execution began (``time.monotonic_ns()``); refusals are answered
                 ``REFUSAL_HOLD_MS`` later.
             errors: filled with the INVALID_ARG message of each request whose ``latency_budget_ms`` is bad.
@@ -277,7 +283,7 @@ class TritonPythonModel:
             the indices of the refused requests, those of the bulk requests, and the in-flight state read.
         """
         state = self.in_flight.door()  # the counts, and the encoder's knobs
-        texts = [_text_rows(request) for request in requests]
+        texts = [_text_rows(array) for array in arrays]
         interactive: list[int] = []
         bulk: set[int] = set()
         for i, request_parameters_ in enumerate(parameters):
@@ -319,13 +325,14 @@ class TritonPythonModel:
         texts_per_request: list[list[str] | None] = []
         modes_per_request: list[list[str]] = []
         errors: dict[int, str] = {}
-        refused, bulk, state = self._refuse_at_the_door(requests, parameters, arrived_ns, errors)
+        arrays = [text_array(request) for request in requests]  # read once: the door counts rows, decoding reads them
+        refused, bulk, state = self._refuse_at_the_door(requests, parameters, arrays, arrived_ns, errors)
         for i, request in enumerate(requests):
             texts: list[str] | None = None
             modes: list[str] = []
             if i not in errors and i not in refused:
                 try:
-                    decoded = decode_texts(pb_utils.get_input_tensor_by_name(request, TEXT), self.max_text_bytes)
+                    decoded = decode_texts(arrays[i], self.max_text_bytes)
                     modes = self._modes(request, len(decoded), parameters[i])
                     texts = self._prompted(request, decoded)
                 except RequestError as exc:
@@ -397,10 +404,9 @@ class TritonPythonModel:
             _answer(requests[i], response)()
 
 
-def _text_rows(request) -> int:
-    """The texts of ``request``: the rows of its ``TEXT`` input (1 when it has none; decoding refuses it then)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, TEXT)
-    shape = tensor.as_numpy().shape if tensor is not None else ()
+def _text_rows(array: np.ndarray | None) -> int:
+    """The texts of a request: the rows of its ``TEXT`` input (1 when it has none; decoding refuses it then)."""
+    shape = array.shape if array is not None else ()
     return max(1, int(shape[0])) if shape else 1
 
 

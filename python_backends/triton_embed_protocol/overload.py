@@ -425,7 +425,31 @@ class InFlight:
                     stale.unlink()
 
 
-class BulkLane:
+class _Worker:
+    """A daemon thread running ``_run`` beside a condition it waits on; :meth:`close` wakes it to finish and joins."""
+
+    def __init__(self, name: str) -> None:
+        """Start the thread, named ``name``; subclasses set their own state before calling this."""
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Have the thread finish its work at once and wait for it.
+
+        :class:`BulkLane` hands every waiting request on, :class:`RefusalHold` answers every held refusal.
+        """
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+
+class BulkLane(_Worker):
     """Bulk requests waiting in the tokenizer, handed on in arrival order as the bulk texts in flight allow.
 
     A bulk request (:func:`is_bulk`) is tokenised when it arrives and its answer to the ensemble held here. The head
@@ -447,10 +471,7 @@ class BulkLane:
         self._in_flight = in_flight
         self._waiting: deque[tuple[int, Callable[[], None]]] = deque()
         self._texts = 0
-        self._wake = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="bulk-lane", daemon=True)
-        self._thread.start()
+        super().__init__("bulk-lane")
 
     def waiting(self) -> int:
         """Texts waiting in the lane."""
@@ -481,13 +502,6 @@ class BulkLane:
         quiet = not state.count and (not state.interactive_ns or now_ns - state.interactive_ns > self.QUIET_NS)
         return state.bulk_in_flight * (2 if quiet else 1)
 
-    def close(self) -> None:
-        """Hand every waiting request on now and stop the thread."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-        self._thread.join()
-
     def _run(self) -> None:
         while True:
             with self._wake:
@@ -515,7 +529,7 @@ class BulkLane:
                 time.sleep(self.POLL_S)
 
 
-class RefusalHold:
+class RefusalHold(_Worker):
     """Answers refusals at their due time from a thread of its own, so that holding them never blocks an execution.
 
     Every held refusal is answered: at its time, or at once by :meth:`close`.
@@ -526,10 +540,7 @@ class RefusalHold:
         self._due: list[tuple[int, int, Callable[[], None], int]] = []
         self._weight = 0
         self._order = itertools.count()
-        self._wake = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="refusal-hold", daemon=True)
-        self._thread.start()
+        super().__init__("refusal-hold")
 
     def hold(self, due_ns: int, answer: Callable[[], None], weight: int = 1) -> None:
         """Call ``answer()`` at ``due_ns`` (``time.monotonic_ns()`` clock), or at once if that has passed.
@@ -545,13 +556,6 @@ class RefusalHold:
         """The weight of the refusals held and not yet answered (1 each unless :meth:`hold` was told otherwise)."""
         with self._wake:
             return self._weight
-
-    def close(self) -> None:
-        """Answer every held refusal now and stop the thread."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-        self._thread.join()
 
     def _run(self) -> None:
         while True:
