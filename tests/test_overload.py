@@ -159,6 +159,19 @@ def test_a_closed_loop_of_max_in_flight_clients_is_never_refused_fresh_or_after_
     assert answers >= 32 and errors == []
 
 
+def test_texts_that_never_reach_the_encoder_do_not_keep_the_door_closed(fresh_server):
+    # A direct caller of the tokenizer that asks for queued_ns is counted in flight, and no encoder step follows; a
+    # direct call of the encoder counts nothing out. The door forgets counts once the encoder has sat idle 100 ms.
+    url = fresh_server.grpc_url
+    for k in range(4):  # 32 texts counted in: MAX_IN_FLIGHT, a full door
+        infer(url, "tokenizer", {"TEXT": text_tensor([f"counted {k} {i}" for i in range(8)])}, ["queued_ns"])
+    ids = np.array([[101, 7592, 102]], dtype=np.int64)
+    infer(url, "encoder", {"input_ids": ids, "attention_mask": np.ones_like(ids)}, ["embedding__0"])
+    time.sleep(0.3)
+    served = infer(url, "embed", {"TEXT": text_tensor(["after the strays"])}, ["EMBEDDING"])
+    assert served["EMBEDDING"].shape == (1, 384)
+
+
 def test_clients_that_retry_at_once_keep_the_goodput(fresh_server, sts_texts):
     texts = sts_texts(200_000, "nobackoff")
     best = asyncio.run(no_backoff_loop(fresh_server.grpc_url, texts, clients=16, seconds=8))

@@ -240,17 +240,23 @@ class TritonPythonModel:
         tokenizer counted in flight are counted out, whatever happens.
         """
         self.in_flight.started()
-        self._owed = [len(requests), 0]  # until the stamps are read (counting out too many only reads low)
+        self._owed: list[int] | None = [
+            len(requests),
+            0,
+        ]  # until the stamps are read (counting out too many only reads low)
         try:
             self._execute(requests)
         finally:
             self._count_out()
 
     def _count_out(self) -> None:
-        """Count this execution's texts out of flight, once (``overload.InFlight``): [interactive, bulk]."""
-        if any(self._owed):
+        """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
+
+        Also after an execution of direct callers only: an encoder never marked idle keeps strays counted for good.
+        """
+        if self._owed is not None:
             self.in_flight.answered(*self._owed)
-            self._owed = [0, 0]
+            self._owed = None
 
     def _texts_in_flight(self, texts: int | None, parameters: dict) -> tuple[int, int]:
         """What a request counts in flight, (interactive texts, bulk texts), as the tokenizer counted it in.
