@@ -1,11 +1,12 @@
 """OpenTelemetry traces as an operator receives them: one switch, one trace from the caller through every stage.
 
 A real tritonserver and a real gateway process, both started with ``OTEL_EXPORTER_OTLP_ENDPOINT`` pointing at a small
-OTLP/HTTP receiver on a loopback port (tests/otlp_receiver.py), which decodes what they export.
+OTLP/HTTP receiver on a loopback port (triton_embed_gateway.otlp), which decodes what they export.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -13,8 +14,9 @@ import sys
 
 import pytest
 from helpers import running_until_ready
-from otlp_receiver import OtlpReceiver, ReceivedSpan
 from test_gateway import post
+from triton_embed_gateway.otlp import OtlpReceiver, ReceivedSpan
+from triton_embed_gateway.traces import STAGES
 from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.tracing import triton_trace_args
 
@@ -29,7 +31,7 @@ TRITON_STEPS = {"InferRequest", "embed", "tokenizer", "encoder"}
 def traced(tmp_path_factory):
     """(receiver, gateway base URL, server): Triton and the gateway exporting to the receiver; response cache off."""
     tmp = tmp_path_factory.mktemp("traced")
-    with OtlpReceiver() as receiver:
+    with OtlpReceiver(save=tmp / "spans.jsonl") as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": SERVICE,
                "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test", "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
         repo = variant_repository(tmp / "repo", None)
@@ -116,3 +118,28 @@ def test_the_client_library_carries_the_callers_span_to_triton(traced):
     trace_id, caller = f"{context.trace_id:032x}", f"{context.span_id:016x}"
     spans = by_name(receiver.wait_for(trace_id, TRITON_STEPS))
     assert spans["InferRequest"].parent == caller
+
+
+def test_the_stage_table_blames_the_stage_where_the_slowest_request_spent_its_time(traced, tmp_path):
+    receiver, base, _ = traced
+    marker = secrets.token_hex(8)
+    for i in range(30):
+        assert post(f"{base}/v1/embeddings", {"input": f"short {marker} {i}"})[0] == 200
+    slow = [f"{marker} {i} " + "a long sentence for the encoder to chew on " * 25 for i in range(64)]
+    assert post(f"{base}/v1/embeddings", {"input": slow})[0] == 200
+    api = receiver.first(lambda s: s.name == "POST /v1/embeddings" and s.attributes.get("texts") == 64)
+    receiver.wait_for(api.trace_id, TRITON_STEPS)  # Triton's exporter sends in batches, in order
+    spans = tmp_path / "spans.jsonl"
+    spans.write_bytes(receiver.save_path.read_bytes())  # the run so far, as a collector's file exporter writes it
+    done = subprocess.run([sys.executable, "-m", "triton_embed_gateway.traces", "--json", str(spans)],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    data = json.loads(done.stdout)
+    assert data["requests"] >= 31
+    assert set(data["all"]) == set(STAGES)
+    assert data["blame"] == "encoder compute", data["slowest"]
+    shares = sum(row["share"] for row in data["all"].values())
+    assert 0.99 < shares < 1.01  # the stages add up to the end-to-end time
+    assert data["end_to_end"]["p99_ms"] >= data["all"]["encoder compute"]["p99_ms"]
+    table = subprocess.run([sys.executable, "-m", "triton_embed_gateway.traces", str(spans)],
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "| encoder compute |" in table and "to blame at p99: encoder compute" in table

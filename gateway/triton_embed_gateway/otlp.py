@@ -1,18 +1,26 @@
-"""A small OTLP/HTTP trace receiver on a loopback port, built on ``opentelemetry-proto``: what a collector would get.
+"""OTLP trace data as a collector receives it, on ``opentelemetry-proto``: a small receiver, and OTLP/JSON files.
 
-It takes ``POST /v1/traces`` in protobuf (``application/x-protobuf``: the Python SDK's exporter) and in JSON
-(``application/json``: Triton's exporter; ids hex-encoded, field names in either case) and keeps every span.
+The files are what an OpenTelemetry Collector's ``file`` exporter writes: one export request per line.
+
+The receiver takes ``POST /v1/traces`` in protobuf (``application/x-protobuf``: the Python SDK's exporter, the
+gateway's) and in JSON (``application/json``: Triton's exporter; ids hex-encoded, field names in either case) and
+keeps every span; with ``save`` it also appends each export to a file as one line of OTLP/JSON.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -22,7 +30,11 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 @dataclass(frozen=True)
 class ReceivedSpan:
-    """One span as received: ids as lowercase hex (``parent`` "" for a root), its service and attributes."""
+    """One span as received: ids as lowercase hex (``parent`` "" for a root), its service and attributes.
+
+    ``start_ns`` and ``end_ns``: Unix time, ns; ``event_ns``: each event's name and Unix time in ns, in order
+    (``events`` their names).
+    """
 
     service: str
     name: str
@@ -30,8 +42,15 @@ class ReceivedSpan:
     span_id: str
     parent: str
     kind: int
-    attributes: dict = field(default_factory=dict)
-    events: tuple[str, ...] = ()
+    attributes: dict[str, Any] = field(default_factory=dict)
+    event_ns: tuple[tuple[str, int], ...] = ()
+    start_ns: int = 0
+    end_ns: int = 0
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        """The events' names, in order."""
+        return tuple(name for name, _ in self.event_ns)
 
 
 def _value(value: AnyValue) -> object:
@@ -49,12 +68,13 @@ def _from_protobuf(body: bytes) -> list[ReceivedSpan]:
                 spans.append(ReceivedSpan(
                     str(resource.get("service.name", "")), s.name, s.trace_id.hex(), s.span_id.hex(),
                     s.parent_span_id.hex(), int(s.kind), {a.key: _value(a.value) for a in s.attributes},
-                    tuple(e.name for e in s.events),
+                    tuple((e.name, int(e.time_unix_nano)) for e in s.events), int(s.start_time_unix_nano),
+                    int(s.end_time_unix_nano),
                 ))  # fmt: skip
     return spans
 
 
-def _norm(node: object) -> object:
+def _norm(node: Any) -> Any:
     """JSON with every key lowercased and without underscores (OTLP/JSON's camelCase or proto's snake_case)."""
     if isinstance(node, dict):
         return {k.replace("_", "").lower(): _norm(v) for k, v in node.items()}
@@ -63,7 +83,7 @@ def _norm(node: object) -> object:
     return node
 
 
-def _json_value(value: dict) -> object:
+def _json_value(value: dict[str, Any]) -> object:
     return next(iter(value.values()), None) if value else None
 
 
@@ -81,19 +101,69 @@ def _from_json(body: bytes) -> list[ReceivedSpan]:
                     s.get("spanid", "").lower(), s.get("parentspanid", "").lower(),
                     kind if isinstance(kind, int) else 0,
                     {a["key"]: _json_value(a.get("value", {})) for a in s.get("attributes", [])},
-                    tuple(e.get("name", "") for e in s.get("events", [])),
+                    tuple((e.get("name", ""), int(e.get("timeunixnano", 0))) for e in s.get("events", [])),
+                    int(s.get("starttimeunixnano", 0)), int(s.get("endtimeunixnano", 0)),
                 ))  # fmt: skip
     return spans
 
 
-class OtlpReceiver:
-    """``with OtlpReceiver() as receiver``: listening on ``receiver.endpoint`` (``http://127.0.0.1:PORT``)."""
+def _otlp_json(request: ExportTraceServiceRequest) -> dict[str, Any]:
+    """``request`` as OTLP/JSON: protobuf's JSON mapping, with enums as numbers and ids as hex, not base64."""
+    data: dict[str, Any] = MessageToDict(request, use_integers_for_enums=True)
+    for resource_spans in data.get("resourceSpans", []):
+        for scope in resource_spans.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return data
 
-    def __init__(self) -> None:
-        """Bind a free loopback port."""
+
+def parse(body: bytes, content_type: str) -> list[ReceivedSpan]:
+    """The spans of one OTLP/HTTP export request: JSON when ``content_type`` says so, else protobuf.
+
+    Raises:
+        ValueError: ``body`` is not an export request in that encoding.
+    """
+    try:
+        return _from_json(body) if "json" in content_type else _from_protobuf(body)
+    except (json.JSONDecodeError, DecodeError, AttributeError, TypeError, KeyError) as exc:
+        raise ValueError(f"not an OTLP export request ({content_type or 'protobuf'}): {exc}") from exc
+
+
+def read_file(path: str | Path) -> list[ReceivedSpan]:
+    """The spans in an OTLP/JSON file: one export request per line (blank lines skipped).
+
+    Raises:
+        ValueError: a line is not an OTLP/JSON export request; the message names the file and the line.
+    """
+    spans: list[ReceivedSpan] = []
+    with Path(path).open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    spans += parse(line, "application/json")
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{number}: {exc}") from exc
+    return spans
+
+
+class OtlpReceiver:
+    """``with OtlpReceiver() as receiver``: listening on ``receiver.endpoint`` (``http://HOST:PORT``).
+
+    Args:
+        host: bind address (default loopback only).
+        port: 0 = a free port.
+        save: a file each export is appended to, as one line of OTLP/JSON (None: kept in memory only).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, save: str | Path | None = None) -> None:
+        """Bind ``host:port``."""
         self.spans: list[ReceivedSpan] = []
         self.requests: list[str] = []  # the content type of each export
         self._lock = threading.Lock()
+        self.save_path = Path(save) if save is not None else None
+        self._save = self.save_path.open("ab") if self.save_path is not None else None  # noqa: SIM115 - closed in __exit__
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -104,10 +174,12 @@ class OtlpReceiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                spans = _from_json(body) if "json" in content_type else _from_protobuf(body)
-                with receiver._lock:
-                    receiver.spans.extend(spans)
-                    receiver.requests.append(content_type)
+                try:
+                    spans = parse(body, content_type)
+                except ValueError as exc:
+                    self.send_error(400, str(exc)[:200])
+                    return
+                receiver._keep(spans, body, content_type)
                 answer = b"{}" if "json" in content_type else ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", content_type or "application/x-protobuf")
@@ -118,9 +190,22 @@ class OtlpReceiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self.endpoint = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _keep(self, spans: list[ReceivedSpan], body: bytes, content_type: str) -> None:
+        with self._lock:
+            self.spans.extend(spans)
+            self.requests.append(content_type)
+            if self._save is not None:
+                data = (
+                    json.loads(body)
+                    if "json" in content_type
+                    else _otlp_json(ExportTraceServiceRequest.FromString(body))
+                )
+                self._save.write(json.dumps(data, separators=(",", ":")).encode() + b"\n")
+                self._save.flush()
 
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()
@@ -129,6 +214,8 @@ class OtlpReceiver:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+        if self._save is not None:
+            self._save.close()
 
     def trace(self, trace_id: str) -> list[ReceivedSpan]:
         """The spans received so far of ``trace_id``."""
