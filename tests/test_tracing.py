@@ -6,18 +6,23 @@ OTLP/HTTP receiver on a loopback port (triton_embed_gateway.otlp), which decodes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 
 import pytest
-from helpers import running_until_ready
+from helpers import running_until_ready, scrape
 from test_gateway import post
 from triton_embed_gateway.otlp import OtlpReceiver, ReceivedSpan
 from triton_embed_gateway.traces import STAGES
 from triton_embed_server.embedded import EmbeddedServer, free_port
+from triton_embed_server.supervisor import ADMIN_HEADER
 from triton_embed_server.tracing import triton_trace_args
 
 from bench.run import variant_repository
@@ -25,6 +30,18 @@ from bench.run import variant_repository
 SERVICE = "triton-embed-traced"
 SERVER_KIND, CLIENT_KIND = 2, 3  # OTLP's SpanKind
 TRITON_STEPS = {"InferRequest", "embed", "tokenizer", "encoder"}
+
+
+@contextlib.contextmanager
+def gateway_process(server, env: dict[str, str], log):
+    """The gateway in front of ``server``, as ``make serve`` starts it, with ``env`` added; yields its base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "triton_embed_gateway", "--triton", server.grpc_url, "--port", str(port)]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    base = f"http://127.0.0.1:{port}"
+    with running_until_ready(process, log, f"{base}/health", "the gateway", timeout_s=30):
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +53,9 @@ def traced(tmp_path_factory):
                "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test", "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
         repo = variant_repository(tmp / "repo", None)
         with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log",
-                            extra_args=triton_trace_args(env)) as server:  # fmt: skip
-            port = free_port()
-            log = tmp / "gateway.log"
-            command = [sys.executable, "-m", "triton_embed_gateway", "--triton", server.grpc_url, "--port", str(port)]
-            with log.open("w") as out:
-                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
-            base = f"http://127.0.0.1:{port}"
-            with running_until_ready(process, log, f"{base}/health", "the gateway", timeout_s=30):
-                yield receiver, base, server
+                            extra_args=triton_trace_args(env)) as server, \
+                gateway_process(server, env, tmp / "gateway.log") as base:  # fmt: skip
+            yield receiver, base, server
 
 
 def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
@@ -143,3 +154,74 @@ def test_the_stage_table_blames_the_stage_where_the_slowest_request_spent_its_ti
     table = subprocess.run([sys.executable, "-m", "triton_embed_gateway.traces", str(spans)],
                            capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "| encoder compute |" in table and "to blame at p99: encoder compute" in table
+
+
+ADMIN_KEY = "sampling-test-key"
+
+
+def triton_trace_rate(server) -> int:
+    """Triton's current ``trace_rate``, read through its admin-locked trace settings API."""
+    request = urllib.request.Request(f"http://{server.http_url}/v2/trace/setting", headers={ADMIN_HEADER: ADMIN_KEY})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return int(json.loads(response.read())["trace_rate"])
+
+
+def sampling(base: str) -> tuple[float, dict[str, float]]:
+    """The gateway's share traced, and its changes by state."""
+    page = scrape(f"{base}/metrics")
+    changes = {
+        k.split('"')[1]: v for k, v in page.items() if k.startswith("triton_embed_gateway_trace_sampling_changes_total")
+    }
+    return page["triton_embed_gateway_trace_sampling_ratio"], changes
+
+
+def load(base: str, groups: list[tuple[int, list[str]]], seconds: float) -> int:
+    """For each (callers, texts) of ``groups``, that many callers each posting ``texts`` (a new marker each time) for
+    ``seconds``; returns the answers."""
+    stop, answered, failed = time.monotonic() + seconds, [], []
+
+    def run(k: int, texts: list[str]) -> None:
+        n = 0
+        while time.monotonic() < stop:
+            status, body, _ = post(f"{base}/v1/embeddings", {"input": [f"{k} {n} {t}" for t in texts]})
+            if status != 200:
+                failed.append(body)
+            n += 1
+        answered.append(n)
+
+    callers = [(k, texts) for count, texts in groups for k in range(count)]
+    workers = [threading.Thread(target=run, args=caller) for caller in callers]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not failed, failed[:3]
+    return sum(answered)
+
+
+def test_the_sampling_follows_load_down_at_a_high_rate_up_when_p95_crosses_the_threshold(tmp_path):
+    # Decisions every 0.5 s; 2 traces/s budget; p95 over 400 ms is slow: 4 callers of one short text are far under
+    # it, and 16 callers of 16 long texts beside them far over it on any CPU, at a rate still over the budget.
+    knobs = {"TRITON_EMBED_TRACE_INTERVAL_S": "0.5", "TRITON_EMBED_TRACE_BUDGET": "2",
+             "TRITON_EMBED_TRACE_SLOW_MS": "400", "TRITON_EMBED_ADMIN_KEY": ADMIN_KEY}  # fmt: skip
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **knobs}
+        repo = variant_repository(tmp_path / "repo", None)
+        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, admin_key=ADMIN_KEY,
+                            log_file=tmp_path / "log", extra_args=triton_trace_args(env)) as server, \
+                gateway_process(server, env, tmp_path / "gateway.log") as base:  # fmt: skip
+            assert sampling(base)[0] == 1.0 and triton_trace_rate(server) == 1  # quiet: every request
+            short = (4, ["a short sentence"])
+            answered = load(base, [short], seconds=4)
+            share, changes = sampling(base)
+            assert answered >= 20 and share < 0.5, (answered, share)  # over 2 requests/s: a share of them
+            assert triton_trace_rate(server) == round(1 / share)
+            assert changes.get("load", 0) >= 1
+            load(base, [short, (16, ["a long sentence to keep the encoder busy " * 25] * 16)], seconds=5)
+            share, changes = sampling(base)
+            assert share >= 0.5 and changes.get("slow", 0) >= 1, (share, changes)  # raised while p95 is high
+            assert triton_trace_rate(server) <= 2
+            time.sleep(1.5)  # no request: every request again
+            assert sampling(base)[0] == 1.0 and triton_trace_rate(server) == 1
+    log = (tmp_path / "gateway.log").read_text()
+    assert "trace sampling 1 -> " in log and "slow" in log, log

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 import uvicorn
 
-from triton_embed_gateway.app import DEFAULT_PAYLOAD_LIMIT, GatewaySettings, build_app
+from triton_embed_gateway.app import ADMIN_HEADER, DEFAULT_PAYLOAD_LIMIT, GatewaySettings, build_app
 from triton_embed_gateway.protocol import DEFAULT_MAX_INPUTS
+from triton_embed_gateway.sampling import SamplingConfigError, SamplingPolicy
 from triton_embed_gateway.tracing import Tracing
 from triton_embed_gateway.triton import TritonEmbedder
 
 API_KEY_ENV = "TRITON_EMBED_API_KEY"
+ADMIN_KEY_ENV = "TRITON_EMBED_ADMIN_KEY"
 DEFAULT_PORT = 8080
 
 
@@ -31,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--payload-limit", type=int, default=DEFAULT_PAYLOAD_LIMIT, help="largest body, bytes")
     p.add_argument("--max-inputs", type=int, default=DEFAULT_MAX_INPUTS, help="most texts per API request")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each Triton request, seconds")
+    p.add_argument(
+        "--admin-header", default=ADMIN_HEADER,
+        help=f"header of Triton's admin lock, key in ${ADMIN_KEY_ENV} (default %(default)s): sets its trace_rate",
+    )  # fmt: skip
     return p
 
 
@@ -44,12 +51,26 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    try:
+        sampling = SamplingPolicy.from_environment(os.environ)
+    except SamplingConfigError as exc:
+        print(f"triton-embed-gateway: {exc}", file=sys.stderr)
+        return 2
     settings = GatewaySettings(
         served_model=args.served_model_name or args.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         payload_limit=args.payload_limit,
         max_inputs=args.max_inputs,
+        sampling=sampling,
+        admin_header=args.admin_header,
+        admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
     )
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("triton-embed-gateway: %(message)s"))
+    logger = logging.getLogger("triton_embed_gateway")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     tracing = Tracing.from_environment()  # OTEL_EXPORTER_OTLP_ENDPOINT & co; off without an endpoint
     app = build_app(TritonEmbedder(args.triton, args.model, args.timeout, tracing), settings)
     print(

@@ -7,16 +7,18 @@ response carries ``X-Request-Id`` (the caller's, else a new one).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -34,9 +36,12 @@ from triton_embed_gateway.protocol import (
     openai_response,
     tei_request,
 )
+from triton_embed_gateway.sampling import AdaptiveRatio, SamplingController, SamplingPolicy
 from triton_embed_gateway.tracing import Tracing, annotate, record_status
 from triton_embed_gateway.triton import TritonEmbedder
 
+log = logging.getLogger("triton_embed_gateway")
+ADMIN_HEADER = "triton-embed-admin-key"  # Triton's admin lock, as triton_embed_server.supervisor names it
 DEFAULT_PAYLOAD_LIMIT = 2_000_000
 """Largest request body, bytes (TEI's default): 2,048 texts of ~1 KB."""
 
@@ -46,13 +51,18 @@ class GatewaySettings:
     """How the gateway answers.
 
     ``served_model``: the id answered in ``model`` and ``/v1/models``; ``api_key``: None = no key needed;
-    ``payload_limit``: bytes; ``max_inputs``: texts per API request.
+    ``payload_limit``: bytes; ``max_inputs``: texts per API request; ``sampling``: how the share of requests traced
+    follows load, when it does; ``admin_header`` and ``admin_key``: Triton's admin lock, with which the sampling sets
+    Triton's ``trace_rate`` (None: Triton's rate is left alone).
     """
 
     served_model: str = "embed"
     api_key: str | None = None
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT
     max_inputs: int = DEFAULT_MAX_INPUTS
+    sampling: SamplingPolicy = field(default_factory=SamplingPolicy)
+    admin_header: str = ADMIN_HEADER
+    admin_key: str | None = None
 
 
 class Metrics:
@@ -77,6 +87,42 @@ class Metrics:
         self.tokens = Counter(
             "triton_embed_gateway_tokens", "Tokens embedded (after truncation)", registry=self.registry
         )
+        self.sampling_ratio = Gauge(
+            "triton_embed_gateway_trace_sampling_ratio", "Share of new API requests traced, 0..1 (1 when tracing is "
+            "off: nothing to sample)", registry=self.registry,
+        )  # fmt: skip
+        self.sampling_ratio.set(1.0)
+        self.sampling_changes = Counter(
+            "triton_embed_gateway_trace_sampling_changes", "Changes of the share traced, by the load that made them",
+            ["state"], registry=self.registry,
+        )  # fmt: skip
+        self.triton_trace_rate = Gauge(
+            "triton_embed_gateway_triton_trace_rate", "Triton's trace_rate as the gateway last set it (1 in N; 0: "
+            "not set)", registry=self.registry,
+        )  # fmt: skip
+
+
+def _sampling(
+    embedder: TritonEmbedder, settings: GatewaySettings, sampler: AdaptiveRatio, metrics: Metrics
+) -> SamplingController:
+    """The controller of ``sampler`` and of Triton's ``trace_rate`` (with the admin key, if given)."""
+    key = settings.admin_key
+    headers = {f"triton-grpc-protocol-{settings.admin_header}": key} if key else {}  # Triton's gRPC form of it
+
+    def changed(share: float, triton_rate: int | None) -> None:
+        metrics.sampling_ratio.set(share)
+        metrics.triton_trace_rate.set(triton_rate or 0)
+        state = "slow" if controller.slow else "quiet" if share == 1.0 else "load"
+        metrics.sampling_changes.labels(state=state).inc()
+
+    controller = SamplingController(
+        settings.sampling, sampler, embedder.request_count,
+        (lambda rate: embedder.set_trace_rate(rate, headers)) if key else None, changed,
+    )  # fmt: skip
+    if not key:
+        log.warning("TRITON_EMBED_ADMIN_KEY is not set: Triton's trace_rate stays as Triton started; the gateway's "
+                    "own sampling follows load")  # fmt: skip
+    return controller
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -131,6 +177,7 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
     """
     metrics = Metrics()
     tracing = tracing or embedder.tracing
+    sampling = _sampling(embedder, settings, tracing.sampler, metrics) if tracing.sampler is not None else None
 
     def authorised(request: Request) -> bool:
         if settings.api_key is None:
@@ -145,6 +192,8 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
 
         async def endpoint(request: Request) -> Response:
             started = time.perf_counter()
+            if traced and sampling is not None:
+                sampling.begin()
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             span = tracing.request(name, request.method, request.headers) if traced else contextlib.nullcontext()
             with span:
@@ -165,6 +214,8 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
             metrics.requests.labels(**labels).inc()
             metrics.duration_us.labels(**labels).inc(took * 1e6)
             metrics.latency.labels(route=name).observe(took)
+            if traced and sampling is not None:
+                sampling.observe(took)
             return response
 
         return endpoint
@@ -227,7 +278,10 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        controller = asyncio.create_task(sampling.run()) if sampling is not None else None
         yield
+        if controller is not None:
+            controller.cancel()
         await embedder.close()
         tracing.shutdown()
 

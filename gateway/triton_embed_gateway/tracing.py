@@ -3,8 +3,9 @@
 On when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set, as Triton's traces are
 (``triton_embed_server.tracing``); the OpenTelemetry SDK reads its standard variables itself: the exporter's
 endpoint and headers, ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (``service.name`` defaults to
-``triton-embed``), the sampler (``OTEL_TRACES_SAMPLER``, default ``parentbased_always_on``) and the batch
-processor's delays. Spans go over OTLP/HTTP (protobuf).
+``triton-embed``), the sampler (``OTEL_TRACES_SAMPLER``) and the batch processor's delays. Spans go over OTLP/HTTP
+(protobuf). With ``OTEL_TRACES_SAMPLER`` unset, the share of requests traced follows load
+(``triton_embed_gateway.sampling``).
 
 The server span continues the caller's W3C ``traceparent``; the client span's context goes to Triton in the gRPC
 metadata only when the span is sampled, since Triton traces every request that carries one. One trace then shows
@@ -24,6 +25,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 if TYPE_CHECKING:  # the SDK is imported only when tracing is on
     from opentelemetry.sdk.trace import TracerProvider
+
+    from triton_embed_gateway.sampling import AdaptiveRatio
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 DEFAULT_SERVICE_NAME = "triton-embed"
@@ -53,9 +56,13 @@ def tracing_enabled(environ: Mapping[str, str]) -> bool:
 class Tracing:
     """The gateway's tracer; :meth:`off` makes one that records nothing and costs nothing."""
 
-    def __init__(self, provider: TracerProvider | None = None) -> None:
-        """Trace with ``provider`` (an SDK ``TracerProvider``); None: off."""
+    def __init__(self, provider: TracerProvider | None = None, sampler: AdaptiveRatio | None = None) -> None:
+        """Trace with ``provider`` (an SDK ``TracerProvider``; None: off).
+
+        ``sampler``: its root sampler, when it follows load (None: a fixed sampler).
+        """
         self._provider = provider
+        self.sampler = sampler
         self._tracer = provider.get_tracer("triton_embed_gateway") if provider is not None else None
 
     @classmethod
@@ -73,13 +80,17 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased
+
+        from triton_embed_gateway.sampling import AdaptiveRatio, adaptive
 
         resource = Resource.create({})
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
-        provider = TracerProvider(resource=resource)
+        sampler = AdaptiveRatio() if adaptive(environ) else None  # OTEL_TRACES_SAMPLER set: the SDK's own
+        provider = TracerProvider(resource=resource, sampler=ParentBased(sampler) if sampler else None)
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        return cls(provider)
+        return cls(provider, sampler)
 
     @property
     def on(self) -> bool:

@@ -196,6 +196,29 @@ class TritonEmbedder:
         counts: Counts = result.as_numpy(TOKENIZER_COUNT)
         return counts
 
+    async def request_count(self) -> int | None:
+        """Triton's requests to the ensemble since it started (success + failure); None when it does not answer."""
+        try:
+            stats = await self._client.get_inference_statistics(self.model, as_json=True, client_timeout=2)
+        except InferenceServerException:
+            return None
+        inference = stats["model_stats"][0].get("inference_stats", {})
+        return sum(int(inference.get(k, {}).get("count", 0)) for k in ("success", "fail"))
+
+    async def set_trace_rate(self, rate: int, headers: dict[str, str]) -> str | None:
+        """Set Triton's ``trace_rate`` (trace 1 request in ``rate``) with the admin ``headers``.
+
+        Returns:
+            None when set, else Triton's error (a missing or wrong admin key, tracing off in Triton).
+        """
+        try:
+            await self._client.update_trace_settings(
+                settings={"trace_rate": str(rate)}, headers=headers, client_timeout=2
+            )
+        except InferenceServerException as exc:
+            return exc.message() or str(exc)
+        return None
+
     async def close(self) -> None:
         """Close the channel, if one was opened."""
         if self._channel is not None:

@@ -92,7 +92,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
         return 1
-    gateway = Gateway(server.grpc_url, args.host, args.gateway_port) if args.gateway_port else None
+    gateway = (
+        Gateway(server.grpc_url, args.host, args.gateway_port, server.config.admin_key) if args.gateway_port else None
+    )
     if gateway is not None and not gateway.start():
         return _stop(server, "stopping tritonserver (the gateway did not start) ...")
     traced = "Triton and the gateway" if gateway else "Triton"
@@ -130,7 +132,9 @@ def serve(args: argparse.Namespace) -> int:
 class Gateway:
     """The embeddings HTTP gateway (``python -m triton_embed_gateway``) as a child process, on ``host:port``."""
 
-    def __init__(self, grpc_url: str, host: str, port: int) -> None:
+    def __init__(self, grpc_url: str, host: str, port: int, admin_key: str | None = None) -> None:
+        """``admin_key``: Triton's admin key, with which the gateway sets Triton's trace rate."""
+        self._env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '', '::') else host}:{port}"  # noqa: S104
         self._command = [
             sys.executable, "-m", "triton_embed_gateway", "--triton", grpc_url, "--host", host, "--port", str(port),
@@ -139,7 +143,7 @@ class Gateway:
 
     def start(self, timeout_s: float = 30.0) -> bool:
         """Start it and wait until ``/health`` answers; False (with the reason printed) if it does not."""
-        self._process = subprocess.Popen(self._command)  # noqa: S603 - our own module, our own arguments
+        self._process = subprocess.Popen(self._command, env=self._env)  # noqa: S603 - our own module, our own arguments
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
