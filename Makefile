@@ -105,7 +105,8 @@ clean:
 	rm -rf .build .pytest_cache
 	find model_repository -path '*/1/*' ! -name .gitkeep -delete
 
-# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets, the gateway); ~7 min.
+# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets, the gateway),
+# then tracing's cost through the gateway: off, following load, every request (bench/tracing.py); ~10 min.
 bench: reference-model
 	$(PY) -m bench.run $(BENCH_ARGS)
 

@@ -12,6 +12,8 @@ d'. ``triton-auto``: the same with the encoder exported at ``make model``'s defa
    CPU with native bf16).
 e. ``gateway``: the same service through the HTTP gateway (OpenAI ``/v1/embeddings``, float JSON), against d's
    figures: the p50 it adds at concurrency 1, its throughput at the knee, and base64's response size against float's.
+f. tracing's cost (``bench/tracing.py``): the gateway's throughput with tracing off, with the sampling that follows
+   load, and with every request traced, in interleaved rounds (``--tracing-rounds``, 0: not measured).
 
 b-e get single-sentence requests in a closed loop at increasing concurrency (gRPC for Triton, HTTP/JSON for the
 naive server and the gateway). Triton runs with the response cache off, so repeated sentences are really computed.
@@ -314,6 +316,10 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
     for name, data in results["systems"].items():
         if "avg_encoder_batch" in data:
             lines.append(f"\n{name}: average encoder batch over the run {data['avg_encoder_batch']:.1f} requests.")
+    if "tracing" in results:
+        from bench.tracing import markdown as tracing_table
+
+        lines += ["", tracing_table(results["tracing"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -369,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
     parser.add_argument("--sla-ms", type=float, default=200.0)
     parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets,triton-auto,gateway")
+    parser.add_argument("--tracing-rounds", type=int, default=3, help="rounds per tracing setting (0: none)")
+    parser.add_argument("--tracing-concurrency", type=int, default=16, help="callers in the tracing rounds")
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
     args = parser.parse_args(argv)
 
@@ -411,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
             "best": asdict(best) if best else None,
             **extra,
         }
+
+    if args.tracing_rounds > 0:
+        from bench.tracing import measure
+
+        print("tracing off / following load / every request ...", flush=True)
+        warmup = min(3.0, args.duration)
+        results["tracing"] = measure(texts, args.tracing_concurrency, args.tracing_rounds, args.duration, warmup)
 
     out = args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)

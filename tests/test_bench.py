@@ -21,8 +21,9 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(p.a for p in sts_dev[:200]))
     code = bench_run.main(
-        ["--corpus", str(corpus), "--levels", "1,2", "--duration", "1", "--out", str(tmp_path / "out")]
-    )
+        ["--corpus", str(corpus), "--levels", "1,2", "--duration", "1", "--tracing-rounds", "1",
+         "--tracing-concurrency", "2", "--out", str(tmp_path / "out")]
+    )  # fmt: skip
     assert code == 0
     results = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets", "triton-auto", "gateway"}
@@ -36,6 +37,13 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     sizes = results["systems"]["gateway"]["response_bytes"]
     assert sizes["base64"] < sizes["float"] and "gateway vs gRPC: p50 at concurrency 1" in table
     assert (tmp_path / "out" / "bench.png").stat().st_size > 10_000
+    tracing = results["tracing"]
+    assert all(
+        tracing[name]["rounds"][0]["errors"] == 0 and tracing[name]["throughput"] > 0
+        for name in ("off", "adaptive", "all")
+    )
+    assert tracing["all"]["share"] == 1.0 and tracing["exports"] > 0  # every request traced, spans exported
+    assert "| follows load (default) |" in table and "| every request |" in table
 
 
 def test_fixed_length_variant_has_a_single_bucket(tmp_path):

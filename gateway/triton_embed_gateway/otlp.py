@@ -155,9 +155,13 @@ class OtlpReceiver:
         host: bind address (default loopback only).
         port: 0 = a free port.
         save: a file each export is appended to, as one line of OTLP/JSON (None: kept in memory only).
+        decode: False: a sink that answers every export and counts it in ``requests``, keeping no span (a benchmark's
+            collector, as cheap as can be).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, save: str | Path | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, save: str | Path | None = None, *, decode: bool = True
+    ) -> None:
         """Bind ``host:port``."""
         self.spans: list[ReceivedSpan] = []
         self.requests: list[str] = []  # the content type of each export
@@ -175,7 +179,7 @@ class OtlpReceiver:
                     self.end_headers()
                     return
                 try:
-                    spans = parse(body, content_type)
+                    spans = parse(body, content_type) if decode else []
                 except ValueError as exc:
                     self.send_error(400, str(exc)[:200])
                     return
@@ -198,7 +202,7 @@ class OtlpReceiver:
         with self._lock:
             self.spans.extend(spans)
             self.requests.append(content_type)
-            if self._save is not None:
+            if self._save is not None and spans:
                 data = (
                     json.loads(body)
                     if "json" in content_type
