@@ -100,9 +100,9 @@ def measure(texts: list[str], concurrency: int, rounds: int, duration_s: float, 
         ports = {name: stacks.enter_context(stack(name, sink.endpoint, Path(tmp))) for name in STACKS}
         for k in range(rounds):
             for name in STACKS if k % 2 == 0 else STACKS[::-1]:  # each stack first and last alike
-                level = closed_loop(
-                    lambda p=ports[name]: sender(p), texts[k * 5000 :], concurrency, duration_s, warmup_s
-                )
+                start = k * 5000 % len(texts)  # each round other texts, though the cache is off
+                rotated = texts[start:] + texts[:start]
+                level = closed_loop(lambda p=ports[name]: sender(p), rotated, concurrency, duration_s, warmup_s)
                 results[name].append({"throughput": level.throughput, "p50_ms": level.p50_ms, "p99_ms": level.p99_ms,
                                       "errors": level.errors, "share": share_traced(ports[name])})  # fmt: skip
                 shared = "-" if name == "off" else f"{results[name][-1]['share']:.3g}"
