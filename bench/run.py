@@ -92,6 +92,33 @@ def wait_http(url_host: str, port: int, path: str, *, timeout_s: float, method: 
     raise TimeoutError(f"{url_host}:{port}{path} not ready after {timeout_s} s")
 
 
+def post_json(conn: http.client.HTTPConnection, path: str, body: dict) -> bytes:
+    """POST ``body`` as JSON to ``path``; the answer's bytes.
+
+    Raises:
+        RuntimeError: any status but 200, with the answer's first 200 bytes.
+    """
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = response.read()
+    if response.status != 200:
+        raise RuntimeError(payload[:200])
+    return payload
+
+
+def json_sender(port: int, path: str, body_of: Callable[[str], dict]) -> Callable[[str], None]:
+    """A ``bench.loadgen`` sender on its own keep-alive connection to 127.0.0.1:``port``.
+
+    Each text goes as ``body_of(text)``, POSTed as JSON to ``path`` (:func:`post_json`).
+    """
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def send(text: str) -> None:
+        post_json(conn, path, body_of(text))
+
+    return send
+
+
 def naive_system(texts: list[str], levels: list[int], duration: float, sla: float) -> list[Level]:
     """Start bench/naive_server.py under uvicorn and sweep it with HTTP/JSON requests."""
     from triton_embed_server.embedded import free_port
@@ -104,19 +131,8 @@ def naive_system(texts: list[str], levels: list[int], duration: float, sla: floa
     try:
         wait_http("127.0.0.1", port, "/embed", timeout_s=180, method="POST", body='{"texts": ["warm"]}')
 
-        def make_sender():
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-
-            def send(text: str) -> None:
-                conn.request(
-                    "POST", "/embed", body=json.dumps({"texts": [text]}), headers={"Content-Type": "application/json"}
-                )
-                response = conn.getresponse()
-                payload = response.read()
-                if response.status != 200:
-                    raise RuntimeError(payload[:200])
-
-            return send
+        def make_sender() -> Callable[[str], None]:
+            return json_sender(port, "/embed", lambda text: {"texts": [text]})
 
         return sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
     finally:
@@ -218,20 +234,14 @@ def gateway_system(grpc_url: str, texts: list[str], levels: list[int], duration:
     try:
         wait_http("127.0.0.1", port, "/ready", timeout_s=60)
 
-        def post(conn: http.client.HTTPConnection, body: dict) -> bytes:
-            conn.request("POST", "/v1/embeddings", body=json.dumps(body), headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            payload = response.read()
-            if response.status != 200:
-                raise RuntimeError(payload[:200])
-            return payload
-
-        def make_sender():
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            return lambda text: post(conn, {"model": "m", "input": [text]})
+        def make_sender() -> Callable[[str], None]:
+            return json_sender(port, "/v1/embeddings", lambda text: {"model": "m", "input": [text]})
 
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        sizes = {fmt: len(post(conn, {"input": texts[:16], "encoding_format": fmt})) for fmt in ("float", "base64")}
+        sizes = {
+            fmt: len(post_json(conn, "/v1/embeddings", {"input": texts[:16], "encoding_format": fmt}))
+            for fmt in ("float", "base64")
+        }
         return sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla), sizes
     finally:
         proc.terminate()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import statistics
@@ -23,14 +22,14 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import closed_loop  # noqa: E402
-from bench.run import variant_repository, wait_http  # noqa: E402
+from bench.run import json_sender, variant_repository, wait_http  # noqa: E402
 from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
 
 ADMIN_KEY = "bench-tracing"
@@ -75,20 +74,9 @@ def share_traced(port: int) -> float:
     return float(line.split()[1])
 
 
-def sender(port: int):
+def sender(port: int) -> Callable[[str], None]:
     """A one-text OpenAI request sender on its own connection (``bench.loadgen``'s ``make_sender``)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-
-    def send(text: str) -> None:
-        conn.request(
-            "POST", "/v1/embeddings", body=json.dumps({"input": [text]}), headers={"Content-Type": "application/json"}
-        )
-        response = conn.getresponse()
-        body = response.read()
-        if response.status != 200:
-            raise RuntimeError(body[:200])
-
-    return send
+    return json_sender(port, "/v1/embeddings", lambda text: {"input": [text]})
 
 
 def measure(texts: list[str], concurrency: int, rounds: int, duration_s: float, warmup_s: float) -> dict:
