@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -36,9 +36,12 @@ from triton_embed_gateway.protocol import (
     openai_response,
     tei_request,
 )
-from triton_embed_gateway.sampling import AdaptiveRatio, SamplingController, SamplingPolicy
+from triton_embed_gateway.sampling import SamplingController, SamplingPolicy
 from triton_embed_gateway.tracing import Tracing, annotate, record_status
 from triton_embed_gateway.triton import TritonEmbedder
+
+if TYPE_CHECKING:  # the SDK is imported only when tracing is on
+    from triton_embed_gateway.ratio_sampler import AdaptiveRatio
 
 log = logging.getLogger("triton_embed_gateway")
 ADMIN_HEADER = "triton-embed-admin-key"  # Triton's admin lock, as triton_embed_server.supervisor names it

@@ -25,15 +25,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult, TraceIdRatioBased
-from opentelemetry.trace import Link, SpanKind
-from opentelemetry.trace.span import TraceState
-from opentelemetry.util.types import Attributes
+
+if TYPE_CHECKING:  # the SDK is imported only when tracing is on (triton_embed_gateway.tracing)
+    from triton_embed_gateway.ratio_sampler import AdaptiveRatio
 
 log = logging.getLogger("triton_embed_gateway.sampling")
 RECOVER = 0.75
@@ -104,40 +103,6 @@ class SamplingPolicy:
         if target == current:
             return False
         return flipped or target in (1.0, self.floor) or not current / 2 < target < current * 2
-
-
-class AdaptiveRatio(Sampler):
-    """A trace-id ratio sampler whose ratio the controller sets while it runs (wrap it in ``ParentBased``)."""
-
-    def __init__(self, ratio: float = 1.0) -> None:
-        """Start at ``ratio`` (0..1)."""
-        self._inner = TraceIdRatioBased(ratio)
-
-    @property
-    def ratio(self) -> float:
-        """The share of new traces sampled, 0..1."""
-        return float(self._inner.rate)
-
-    def set(self, ratio: float) -> None:
-        """Sample ``ratio`` (0..1) of new traces from now on."""
-        self._inner = TraceIdRatioBased(ratio)
-
-    def should_sample(  # noqa: PLR0917 - the SDK's Sampler signature
-        self,
-        parent_context: Context | None,
-        trace_id: int,
-        name: str,
-        kind: SpanKind | None = None,
-        attributes: Attributes = None,
-        links: Sequence[Link] | None = None,
-        trace_state: TraceState | None = None,
-    ) -> SamplingResult:
-        """Sample by the trace id against the current ratio (``TraceIdRatioBased``)."""
-        return self._inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
-
-    def get_description(self) -> str:
-        """``AdaptiveRatio{ratio}``."""
-        return f"AdaptiveRatio{{{self.ratio}}}"
 
 
 @dataclass

@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 if TYPE_CHECKING:  # the SDK is imported only when tracing is on
     from opentelemetry.sdk.trace import TracerProvider
 
-    from triton_embed_gateway.sampling import AdaptiveRatio
+    from triton_embed_gateway.ratio_sampler import AdaptiveRatio
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 DEFAULT_SERVICE_NAME = "triton-embed"
@@ -82,7 +82,8 @@ class Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased
 
-        from triton_embed_gateway.sampling import AdaptiveRatio, adaptive
+        from triton_embed_gateway.ratio_sampler import AdaptiveRatio
+        from triton_embed_gateway.sampling import adaptive
 
         resource = Resource.create({})
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from triton_embed_gateway.sampling import AdaptiveRatio, SamplingConfigError, SamplingPolicy
+from triton_embed_gateway.ratio_sampler import AdaptiveRatio
+from triton_embed_gateway.sampling import SamplingConfigError, SamplingPolicy
 
 POLICY = SamplingPolicy(budget_per_s=20, floor=0.01, slow_ms=200, slow_ratio=0.5)
 
