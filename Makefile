@@ -1,6 +1,11 @@
 # triton-embed: `make serve` and `make test` set up everything they need (venv, packages, model export).
 SHELL := /bin/bash
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The interpreter that makes .venv: 3.11 or 3.12 (Triton 2.51's Python backend needs numpy < 2, which has no wheels
+# for 3.13; docs/configuration.md).
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+PYTHON_CHECK := import sys; v = sys.version_info[:2]; (3, 11) <= v <= (3, 12) or sys.exit( \
+	f"make: Python 3.11 or 3.12 needed for the server, found {sys.version.split()[0]} at {sys.executable}: install " \
+	"one (pyenv install 3.12, or apt install python3.12-venv) and run make again with PYTHON=<its python3.12>")
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -40,7 +45,7 @@ LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST)
 install: $(STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, got {sys.version.split()[0]} at {sys.executable}"'
+	@$(PYTHON) -c '$(PYTHON_CHECK)'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check pip==25.3 setuptools==84.2.1
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
