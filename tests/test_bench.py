@@ -26,14 +26,23 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     )  # fmt: skip
     assert code == 0
     results = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert set(results["systems"]) == {"naive", "triton-fixed128", "triton-buckets", "triton-auto", "gateway"}
+    assert set(results["systems"]) == {
+        "naive",
+        "infinity",
+        "triton-fixed128",
+        "triton-buckets",
+        "triton-auto",
+        "gateway",
+    }
+    assert results["systems"]["infinity"]["min_cosine"] > 0.9999  # the peer serves the same model at fp32
     assert results["systems"]["triton-auto"]["precision"] in ("bf16", "fp32")  # by the CPU: the gate may say fp32
     for name, data in results["systems"].items():
         assert [lv["concurrency"] for lv in data["levels"]][0] == 1, name  # the sweep may stop early past the SLA
         assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in data["levels"]), name
     assert results["ceiling"]["throughput"] > 0
     table = (tmp_path / "out" / "bench.md").read_text()
-    assert "| triton-buckets |" in table and "| gateway |" in table and "x ceiling" in table
+    assert "| triton-buckets |" in table and "| gateway |" in table and "| infinity |" in table
+    assert "x ceiling" in table and "x infinity" in table
     sizes = results["systems"]["gateway"]["response_bytes"]
     assert sizes["base64"] < sizes["float"] and "gateway vs gRPC: p50 at concurrency 1" in table
     assert (tmp_path / "out" / "bench.png").stat().st_size > 10_000
