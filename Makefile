@@ -40,7 +40,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install peers model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install peers client-test model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -105,6 +105,19 @@ system-deps:
 		if [ -n "$$own_policy" ]; then $(SUDO) rm -f /usr/sbin/policy-rc.d; fi; \
 		if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now prometheus nginx || true; fi; \
 	fi
+
+# The client library, the gateway and the monitor on any Python 3.10-3.13 (make client-test PYTHON=python3.13): a
+# venv of their own under .build/, installed from pyproject.toml's ranges, and the unit tests that need no more.
+CLIENT_VERSION = $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+CLIENT_VENV = .build/client-py$(CLIENT_VERSION)
+client-test:
+	@$(PYTHON) -c 'import sys; (3, 10) <= sys.version_info[:2] <= (3, 13) or sys.exit( \
+		f"make client-test: Python 3.10-3.13 needed, found {sys.version.split()[0]} at {sys.executable}")'
+	test -x $(CLIENT_VENV)/bin/python || $(PYTHON) -m venv $(CLIENT_VENV)
+	$(CLIENT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check pip==25.3
+	$(CLIENT_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e ".[gateway,tracing,monitor]" \
+		pytest==9.2.0 pytest-timeout==2.4.0 "hypothesis>=6.168,<7"
+	$(CLIENT_VENV)/bin/python -m pytest tests/unit -m "not full_install" -p no:cacheprovider $(PYTEST_ARGS)
 
 # Pure-logic tests only: no server, no model export; seconds.
 unit: install

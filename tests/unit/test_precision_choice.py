@@ -43,6 +43,7 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path):
     assert cpu_flags(tmp_path / "missing") == set()
 
 
+@pytest.mark.full_install
 def test_calibration_texts_are_the_projects_then_the_corpus_head(tmp_path):
     own = calibration_texts()
     assert len(own) >= 150 and all(t.strip() for t in own) and len(set(own)) == len(own)

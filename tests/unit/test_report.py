@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from triton_embed.server_stats import StepStats
 from triton_embed_monitor import Episode, GpuSample
 
 from loadtest import report
 from loadtest.gate import Sample, SlaSpec, evaluate
 from loadtest.stages import breakdown
+
+pytestmark = pytest.mark.full_install  # the report draws with matplotlib (the loadtest extra)
 
 RUN = {
     "started": "2026-11-30 00:00:00 UTC",
