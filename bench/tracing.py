@@ -98,14 +98,17 @@ def measure(texts: list[str], concurrency: int, rounds: int, duration_s: float, 
                       f"share traced {shared}", flush=True)  # fmt: skip
         exports = len(sink.requests)
     out: dict = {"concurrency": concurrency, "rounds": rounds, "duration_s": duration_s, "exports": exports}
-    base = statistics.median(r["throughput"] for r in results["off"])
+    clean = {name: [r for r in results[name] if not r["errors"] and r["throughput"] > 0] for name in STACKS}
+    base = statistics.median(r["throughput"] for r in clean["off"]) if clean["off"] else float("nan")
     for name in STACKS:
-        rs = results[name]
-        median = statistics.median(r["throughput"] for r in rs)
+        rs = clean[name]  # medians over the rounds without a failed request; markdown names the others
+        median = statistics.median(r["throughput"] for r in rs) if rs else float("nan")
         out[name] = {
-            "rounds": rs, "throughput": median, "x_off": median / base,
-            "p50_ms": statistics.median(r["p50_ms"] for r in rs), "p99_ms": statistics.median(r["p99_ms"] for r in rs),
-            "share": statistics.median(r["share"] for r in rs),
+            "rounds": results[name], "failed_rounds": len(results[name]) - len(rs),
+            "throughput": median, "x_off": median / base,
+            "p50_ms": statistics.median(r["p50_ms"] for r in rs) if rs else float("nan"),
+            "p99_ms": statistics.median(r["p99_ms"] for r in rs) if rs else float("nan"),
+            "share": statistics.median(r["share"] for r in rs) if rs else float("nan"),
         }  # fmt: skip
     return out
 
@@ -120,11 +123,22 @@ def markdown(result: dict) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     names = {"off": "off", "adaptive": "follows load (default)", "all": "every request"}
+    failed = []
     for name in STACKS:
         r = result[name]
+        if r.get("failed_rounds"):
+            errors = sum(round_["errors"] for round_ in r["rounds"])
+            failed.append(f"{names[name]}: {r['failed_rounds']} of {len(r['rounds'])} rounds had failed requests "
+                          f"({errors} in all) and are left out of its medians")  # fmt: skip
+        if r["failed_rounds"] == len(r["rounds"]):
+            lines.append(f"| {names[name]} | every round failed | - | - | - | - |")
+            continue
         share = "0" if name == "off" else f"{r['share']:.3g}"
         lines.append(f"| {names[name]} | {r['throughput']:.1f} | {r['x_off']:.3f} | {r['p50_ms']:.1f} | "
                      f"{r['p99_ms']:.1f} | {share} |")  # fmt: skip
+    if failed:
+        lines += ["", "; ".join(failed) + " (with every request traced, tritonserver 2.51 can crash: "
+                  "docs/troubleshooting.md)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
