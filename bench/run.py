@@ -456,9 +456,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(str(exc))
     rng = np.random.default_rng(0)
     texts = [texts[i] for i in rng.permutation(len(texts))]
+    from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags
+
+    from bench.encoder import cpu_model
+
+    native_bf16 = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "no native bf16"
     results = {
         "corpus": str(args.corpus or "STS-B train+dev sentences") + f" ({len(texts)} texts)",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, no GPU",
+        "machine": f"{platform.machine()}, {cpu_model()} ({native_bf16}), {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, no GPU",
         "command": "make bench",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "systems": {},
