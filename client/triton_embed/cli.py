@@ -106,6 +106,15 @@ def _gateway(argv: list[str]) -> int:
     return gateway_main(argv)
 
 
+def gateway_command() -> int:
+    """``triton-embed-gateway``: the gateway, or one line naming the extra it needs where that is not installed.
+
+    Returns:
+        The gateway's exit status; 2 without the ``gateway`` extra.
+    """
+    return _gateway(sys.argv[1:])
+
+
 def _version() -> str:
     try:
         return version("triton-embed")

@@ -65,3 +65,20 @@ def test_a_bad_option_value_before_the_subcommand_is_a_usage_error(capsys):
         _parser().parse_args(["--protocol", "udp", "health"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'udp'" in capsys.readouterr().err
+
+
+def test_the_gateway_command_without_its_extra_names_the_extra_in_one_line():
+    """What `triton-embed-gateway` prints after a plain `pip install .`: uvicorn is not there (blocked here)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['uvicorn'] = None\n"
+        "from triton_embed.cli import gateway_command; sys.exit(gateway_command())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "--help"], capture_output=True, text=True, check=False, timeout=60
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1
+    assert "the gateway needs the 'gateway' extra (pip install 'triton-embed[gateway]')" in done.stderr
