@@ -41,8 +41,9 @@ def load_corpus(path: str | Path | None = None, sts_dir: Path = STS_DIR) -> list
     files = [sts_dir / name for name in STS_FILES]
     if not all(f.is_file() for f in files):
         raise CorpusError(
-            f"STS Benchmark not found in {sts_dir} (set TRITON_EMBED_STS_DIR to its folder); "
-            "or name a text file (one text per line) instead"
+            f"STS Benchmark not found in {sts_dir} (set TRITON_EMBED_STS_DIR to its folder); or name a text file, "
+            "one text per line, instead: --corpus FILE (make perf-data CORPUS=FILE, make bench BENCH_ARGS='--corpus "
+            "FILE', make loadtest LOCUST_ARGS='--corpus FILE')"
         )
     return [text for f in files for cols in sts_rows(f) for text in (cols[5], cols[6])]
 
