@@ -250,7 +250,7 @@ MIN_COSINE_FP16 = 0.9999
 """Lowest cosine an fp16 embedding may reach to the same row at fp32 (or to fp16 run alone), the export's gate."""
 
 
-def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Cosine of each row of ``a`` with the same row of ``b`` (both ``(rows, dim)``)."""
     return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
@@ -270,8 +270,8 @@ def check_fp16(runner16, module16, runner32, device, seed: int = 0) -> dict:
         rows = max(1, bucket.batch_size - 1)
         ids, mask, lengths = ragged(rng, rows, bucket.length)
         out = runner16(ids, mask)
-        vs_eager[str(bucket)] = float(_row_cosines(out, per_row(module16, device, ids, mask, lengths)).min())
-        vs_fp32[str(bucket)] = float(_row_cosines(out, runner32(ids, mask)).min())
+        vs_eager[str(bucket)] = float(row_cosines(out, per_row(module16, device, ids, mask, lengths)).min())
+        vs_fp32[str(bucket)] = float(row_cosines(out, runner32(ids, mask)).min())
     return {
         "vs_eager_fp16": vs_eager,
         "vs_fp32": vs_fp32,

@@ -159,6 +159,8 @@ def infinity_system(texts: list[str], levels: list[int], duration: float, sla: f
     from sentence_transformers import SentenceTransformer
     from triton_embed_server.embedded import free_port
 
+    from bench.gpu_steps import row_cosines
+
     if not INFINITY.exists():
         sys.exit(f"{INFINITY} missing: make peers installs Infinity (bench/peers/infinity.lock)")
     port, name = free_port(), "all-MiniLM-L6-v2"
@@ -173,7 +175,6 @@ def infinity_system(texts: list[str], levels: list[int], duration: float, sla: f
         answer = json.loads(post_json(conn, "/embeddings", {"model": name, "input": texts[:64]}))
         served = np.array([row["embedding"] for row in answer["data"]], dtype=np.float32)
         reference = SentenceTransformer(str(get_model_path()), device="cpu").encode(texts[:64], batch_size=32)
-        cosine = np.sum(served * reference, axis=1) / np.linalg.norm(served, axis=1) / np.linalg.norm(reference, axis=1)
         version = subprocess.run(  # noqa: S603 - the pinned peer
             [str(INFINITY.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('infinity_emb'))"],
             capture_output=True, text=True, check=True,
@@ -183,7 +184,7 @@ def infinity_system(texts: list[str], levels: list[int], duration: float, sla: f
             return json_sender(port, "/embeddings", lambda text: {"model": name, "input": [text]})
 
         levels_out = sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
-        return levels_out, {"min_cosine": float(cosine.min()), "version": version}
+        return levels_out, {"min_cosine": float(row_cosines(served, reference).min()), "version": version}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
