@@ -426,3 +426,8 @@ def running_until_ready(process, log: Path, ready_url: str, name: str, timeout_s
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def doc_examples(path: Path, fence: str) -> list[str]:
+    """The code blocks of one kind (```bash, ```python) in a doc page."""
+    return [block.split("```", 1)[0] for block in path.read_text().split(f"```{fence}\n")[1:]]

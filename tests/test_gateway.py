@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, reference_embed
-from helpers import running_until_ready
+from helpers import doc_examples, running_until_ready
 
 TEXTS = [
     "A man is playing a guitar.",
@@ -256,11 +256,6 @@ def test_serve_starts_the_gateway_beside_tritonserver_and_stops_it(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def doc_examples(path: Path, fence: str) -> list[str]:
-    """The code blocks of one kind (```bash, ```python) in a doc page."""
-    return [block.split("```", 1)[0] for block in path.read_text().split(f"```{fence}\n")[1:]]
 
 
 def test_the_docs_examples_work_as_written(gateway, reference):

@@ -13,22 +13,18 @@ from pathlib import Path
 
 import numpy as np
 from conftest import reference_embed
+from helpers import doc_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TEXTS = ["A man is playing a guitar.", "Someone plays music."]
 
 
-def blocks(fence: str) -> list[str]:
-    """The README's code blocks of one kind (```bash, ```python)."""
-    return [block.split("```", 1)[0] for block in README.read_text().split(f"```{fence}\n")[1:]]
-
-
 def commands(prefix: str) -> list[str]:
     """Commands of the bash blocks that start with ``prefix``: continuations and quoted newlines joined, comments
     dropped."""
     found = []
-    for block in blocks("bash"):
+    for block in doc_examples(README, "bash"):
         pending = ""
         for line in block.replace("\\\n", " ").splitlines():
             pending = f"{pending}\n{line}" if pending else line
@@ -78,7 +74,7 @@ def test_the_readmes_cli_lines_print_what_their_comments_say(server, reference):
 
 
 def test_the_readmes_python_client_example_gives_the_reference_vectors(server, reference):
-    (snippet,) = [block for block in blocks("python") if "EmbeddingClient(" in block]
+    (snippet,) = [block for block in doc_examples(README, "python") if "EmbeddingClient(" in block]
     scope: dict = {}
     exec(as_here(snippet, server), scope)  # noqa: S102 - our own README
     expected = reference_embed(reference, TEXTS)
