@@ -126,7 +126,7 @@ def markdown(result: dict) -> str:
     failed = []
     for name in STACKS:
         r = result[name]
-        if r.get("failed_rounds"):
+        if r["failed_rounds"]:
             errors = sum(round_["errors"] for round_ in r["rounds"])
             failed.append(f"{names[name]}: {r['failed_rounds']} of {len(r['rounds'])} rounds had failed requests "
                           f"({errors} in all) and are left out of its medians")  # fmt: skip

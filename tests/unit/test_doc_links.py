@@ -11,12 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "loadtest" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCED = re.compile(r"^```.*?^```", re.S | re.M)
 
 
 def prose(text: str) -> str:
     """``text`` without fenced code blocks and inline code, where brackets are not links."""
-    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", FENCED.sub("", text))
 
 
 def anchors(page: Path) -> set[str]:
@@ -24,7 +24,7 @@ def anchors(page: Path) -> set[str]:
     numbered."""
     seen: dict[str, int] = {}
     out = set()
-    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M), re.M):
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCED.sub("", page.read_text()), re.M):
         slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
         out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
         seen[slug] = seen.get(slug, 0) + 1
