@@ -388,13 +388,15 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=error)
                 continue
             ids, mask = pad_rows([encoded[i, row].ids for row in range(len(texts))], self.pad_id)
-            counted = QUEUED in request_outputs(requests[i])  # the ensemble feeds it to the encoder
+            wanted = request_outputs(requests[i])
+            counted = QUEUED in wanted  # the ensemble feeds it to the encoder
             if i in bulk and counted:
-                if message := self.bulk_lane.offer(len(texts), _later(requests[i], ids, mask), state.bulk_queue):
+                later = _later(requests[i], ids, mask, wanted)
+                if message := self.bulk_lane.offer(len(texts), later, state.bulk_queue):
                     self._refuse(requests[i], message, arrived_ns + state.hold_ns, 0)
                     lane_full += 1
                 continue
-            responses[i] = _response(ids, mask, queued_ns)
+            responses[i] = _response(ids, mask, queued_ns, wanted)
             handed_on += len(texts) if counted else 0
         if lane_full:
             self._shed_metric.increment(lane_full)
@@ -410,20 +412,29 @@ def _text_rows(array: np.ndarray | None) -> int:
     return max(1, int(shape[0])) if shape else 1
 
 
-def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int):
-    """The tokenizer's response: tokens (int64 ``[n, T]``), ``queued_ns`` (int64 ``[n, 1]``) and token counts."""
-    queued = pb_utils.Tensor(QUEUED, np.full((ids.shape[0], 1), queued_ns, dtype=np.int64))
-    counts = pb_utils.Tensor(TOKEN_COUNT, mask.sum(axis=1, keepdims=True))
+def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int, wanted: set[str]):
+    """The tokenizer's response: tokens (int64 ``[n, T]``), ``queued_ns`` and token counts (int64 ``[n, 1]``).
+
+    It holds only the outputs in ``wanted`` (:func:`request_outputs`), a Triton 2.51 workaround
+    (docs/troubleshooting.md, "The stub frees unrequested outputs without the GIL"): the stub drops the others after
+    it released the GIL, and the Python 3.12 stub dies of SIGSEGV doing so.
+    """
+    arrays = {
+        TOKENS[0]: ids,
+        TOKENS[1]: mask,
+        QUEUED: np.full((ids.shape[0], 1), queued_ns, dtype=np.int64),
+        TOKEN_COUNT: mask.sum(axis=1, keepdims=True),
+    }
     return pb_utils.InferenceResponse(
-        output_tensors=[pb_utils.Tensor(TOKENS[0], ids), pb_utils.Tensor(TOKENS[1], mask), queued, counts]
+        output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items() if name in wanted]
     )
 
 
-def _later(request, ids: np.ndarray, mask: np.ndarray) -> Callable[[], None]:
-    """A call that answers ``request`` with its tokens, stamped ``queued_ns`` at the moment of the call."""
+def _later(request, ids: np.ndarray, mask: np.ndarray, wanted: set[str]) -> Callable[[], None]:
+    """A call that answers ``request`` with the outputs in ``wanted``, ``queued_ns`` stamped as it is called."""
     sender = request.get_response_sender()
     return lambda: sender.send(
-        _response(ids, mask, time.monotonic_ns()), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        _response(ids, mask, time.monotonic_ns(), wanted), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     )
 
 
