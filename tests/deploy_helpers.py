@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -280,7 +281,9 @@ def compose_server_running(
             time.sleep(0.1)
         yield server
     finally:
-        server.process.send_signal(2)  # SIGINT (Ctrl-C; `docker compose stop` sends SIGTERM): a drain, then a stop
+        # SIGTERM, as `docker compose stop` sends: a drain, then a stop (SIGINT would be ignored by bash when the
+        # tests run as a background job, which starts with SIGINT ignored)
+        server.process.send_signal(signal.SIGTERM)
         try:
             server.process.wait(timeout=75)
         except subprocess.TimeoutExpired:
