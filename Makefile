@@ -1,11 +1,11 @@
 # triton-embed: `make serve` and `make test` set up everything they need (venv, packages, model export).
 SHELL := /bin/bash
-# The interpreter that makes .venv: 3.11 (Triton 2.51's 3.12 stub crashes under concurrent requests, and its stub
-# needs numpy < 2, which has no wheels for 3.13; docs/configuration.md, "Python versions").
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
-PYTHON_CHECK := import sys; v = sys.version_info[:2]; v in ((3, 11),) or sys.exit( \
-	f"make: Python 3.11 needed for the server, found {sys.version.split()[0]} at {sys.executable}: install it " \
-	"(pyenv install 3.11, or uv python install 3.11) and run make again with PYTHON=<its python3.11>")
+# The interpreter that makes .venv: 3.11 or 3.12 (Triton 2.51's Python backend stub needs numpy < 2, which has no
+# wheels for 3.13; docs/configuration.md, "Python versions").
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+PYTHON_CHECK := import sys; v = sys.version_info[:2]; v in ((3, 11), (3, 12)) or sys.exit( \
+	f"make: Python 3.11 or 3.12 needed for the server, found {sys.version.split()[0]} at {sys.executable}: install " \
+	"one (pyenv install 3.12, or uv python install 3.12) and run make again with PYTHON=<its python3.12>")
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp

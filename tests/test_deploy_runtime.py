@@ -149,7 +149,7 @@ def test_image_versions_match_the_embedded_server_and_the_lock(compose_server):
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     image_python = re.fullmatch(r"python:3\.(\d+)-.*", args["PYTHON_IMAGE"])
     assert image_python, args["PYTHON_IMAGE"]
-    accepted = ast.literal_eval(re.search(r"v in (\(\(3, .*?\),\)) or sys.exit", (ROOT / "Makefile").read_text())[1])
+    accepted = ast.literal_eval(re.search(r"v in (\(.*?\)) or sys.exit", (ROOT / "Makefile").read_text())[1])
     assert SpecifierSet(requires).contains(f"3.{image_python[1]}.0") and (3, int(image_python[1])) in accepted
 
 
