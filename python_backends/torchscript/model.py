@@ -55,6 +55,7 @@ from triton_embed_protocol import (
     config_parameters,
     request_parameters,
 )
+from triton_embed_protocol.capacity import REF_TOKENS, Admission, Limits, ServiceCurve, grid
 from triton_embed_protocol.metric_lifetime import keep
 from triton_embed_protocol.overload import (
     METRIC,
@@ -68,6 +69,8 @@ from triton_embed_protocol.overload import (
 )
 
 OUTPUT = "embedding__0"
+PUBLISH_S = 5.0
+"""The service curve's gauges are set at most this often, s (the admission knobs' whenever they change)."""
 
 
 def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -164,11 +167,7 @@ class TritonPythonModel:
             threads = config_number(params, "TORCH_NUM_THREADS", "0", integer=True) or len(os.sched_getaffinity(0))
             self.latency_budget_ms = config_number(params, "LATENCY_BUDGET_MS", "0")
             self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
-            max_in_flight = config_number(params, "MAX_IN_FLIGHT", "0", integer=True)
-            flood_ns = int(config_number(params, "FLOOD_LATENCY_MS", "0") * 1e6)
-            self.bulk_in_flight = config_number(params, "BULK_IN_FLIGHT", "0", integer=True)
             bulk_queue = config_number(params, "BULK_QUEUE", "0", integer=True)
-            self.bulk_texts = config_number(params, "BULK_TEXTS", "8", integer=True)
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
         precision = manifest.get("precision", "fp32")
@@ -208,12 +207,7 @@ class TritonPythonModel:
             ),
         )
         self.runner.warmup()
-        self.refusals = RefusalHold()
-        self.in_flight = InFlight(args["model_repository"])
-        # the tokenizer's door and bulk lane read them
-        self.in_flight.reset(
-            max_in_flight, self.refusal_hold_ns, flood_ns, (self.bulk_in_flight, bulk_queue, self.bulk_texts)
-        )
+        self._admit(args, params, bulk_queue)
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -222,6 +216,37 @@ class TritonPythonModel:
                 f"config says '{OUTPUT}' has dims [{self.dim}] but {module_path} returns {manifest['dim']}; "
                 "re-run `make model`, which sets the configs' dims"
             )
+
+    def _admit(self, args: dict, params: dict[str, str], bulk_queue: int) -> None:
+        """Time the executions at load, derive the admission knobs (``capacity.Admission``), tell the tokenizer.
+
+        Raises:
+            TritonModelException: a knob is neither ``auto`` nor a number >= 0.
+        """
+        name = f"{args['model_name']} (instance {args['model_instance_name']})"
+        max_batch = int(self.model_config.get("max_batch_size", 0)) or 64
+        tokens = min(REF_TOKENS, self.max_seq_length)
+        curve = ServiceCurve(self.runner.time_batches(tokens, grid(max_batch)), max_batch)
+        try:
+            self.admission = Admission(params, curve)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
+        self.limits = self.admission.limits()
+        self._metrics.admission(self.limits, curve)
+        self._published = time.monotonic()
+        pb_utils.Logger.log_info(
+            f"{name}: admission {self.limits.describe()}; service curve at {tokens} tokens a text: "
+            + ", ".join(f"{rows} in {seconds * 1000:.1f} ms" for rows, seconds in curve.table())
+        )
+        self.refusals = RefusalHold()
+        self.in_flight = InFlight(args["model_repository"])
+        # the tokenizer's door and bulk lane read them
+        self.in_flight.reset(
+            self.limits.max_in_flight,
+            self.refusal_hold_ns,
+            int(self.limits.flood_latency_ms * 1e6),
+            (self.limits.bulk_in_flight, bulk_queue, self.limits.bulk_texts),
+        )
 
     def finalize(self) -> None:
         """Answer the refusals still held; leave the metrics to Triton (``metric_lifetime.py``).
@@ -239,15 +264,18 @@ class TritonPythonModel:
         (``overload.RefusalHold``), so that a held refusal never holds up the next execution. The requests the
         tokenizer counted in flight are counted out, whatever happens.
         """
+        started = time.perf_counter()
         self.in_flight.started()
         self._owed: list[int] | None = [
             len(requests),
             0,
         ]  # until the stamps are read (counting out too many only reads low)
+        self._rows = 0
         try:
             self._execute(requests)
         finally:
             self._count_out()
+            self.admission.curve.observe(self._rows, time.perf_counter() - started)
 
     def _count_out(self) -> None:
         """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
@@ -255,7 +283,13 @@ class TritonPythonModel:
         Also after an execution of direct callers only: an encoder never marked idle keeps strays counted for good.
         """
         if self._owed is not None:
-            self.in_flight.answered(*self._owed)
+            limits = self.admission.limits()  # the curve as of the last execution
+            now = time.monotonic()
+            if limits.knobs() != self.limits.knobs() or now - self._published > PUBLISH_S:
+                self._metrics.admission(limits, self.admission.curve)
+                self._published = now
+            self.limits = limits
+            self.in_flight.answered(*self._owed, limits=(limits.max_in_flight, limits.bulk_in_flight))
             self._owed = None
 
     def _texts_in_flight(self, texts: int | None, parameters: dict) -> tuple[int, int]:
@@ -265,7 +299,7 @@ class TritonPythonModel:
         """
         if not texts:
             return 0, 0
-        if is_bulk(parameters, texts, self.bulk_in_flight, self.bulk_texts):
+        if is_bulk(parameters, texts, self.limits.bulk_in_flight, self.limits.bulk_texts):
             return 0, texts
         return texts, 0
 
@@ -309,6 +343,7 @@ class TritonPythonModel:
         valid = [piece for piece in pieces if piece is not None]
         if valid:  # merge -> run
             ids, mask = merge_ragged(valid)
+            self._rows = ids.shape[0]
             embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
             if embeddings.shape != (ids.shape[0], self.dim):
                 raise pb_utils.TritonModelException(
@@ -356,6 +391,20 @@ class _BucketMetrics:
             kind=counter,
         )
         self._shed = pb_utils.MetricFamily(name=METRIC, description=METRIC_HELP, kind=counter)
+        gauge = pb_utils.MetricFamily.GAUGE
+        self._knobs = pb_utils.MetricFamily(
+            name="triton_embed_admission",
+            description="Admission knobs in force (docs/overload.md): SLA_MS, MAX_IN_FLIGHT, BULK_IN_FLIGHT, "
+            "BULK_TEXTS, FLOOD_LATENCY_MS; how=pinned, or what it was derived from",
+            kind=gauge,
+        )
+        self._curve = pb_utils.MetricFamily(
+            name="triton_embed_service_seconds",
+            description="The encoder's service curve: predicted seconds of one execution by its rows (measured at "
+            "load, then the executions served)",
+            kind=gauge,
+        )
+        self._gauges: dict[tuple, object] = {}
         self._shed_metric = self._shed.Metric(labels={"model": model})
         self._real_metric = self._real.Metric(labels={"model": model})
         self._padded_metric = self._padded.Metric(labels={"model": model})
@@ -371,6 +420,20 @@ class _BucketMetrics:
         self._real_metric.increment(real_tokens)
         self._padded_metric.increment(padded_tokens)
 
+    def admission(self, limits: Limits, curve: ServiceCurve) -> None:
+        """Set the admission knobs' gauges (labelled ``knob`` and ``source``: pinned or measured) and the curve's."""
+        for knob, value in limits.knobs().items():
+            source = "pinned" if limits.how.get(knob, "pinned") == "pinned" else "derived"
+            self._gauge(self._knobs, {"knob": knob, "source": source}).set(value)
+        for rows, seconds in curve.table():
+            self._gauge(self._curve, {"rows": str(rows)}).set(seconds)
+
+    def _gauge(self, family, labels: dict[str, str]):
+        key = (id(family), *sorted(labels.items()))
+        if key not in self._gauges:
+            self._gauges[key] = family.Metric(labels={"model": self.model, **labels})
+        return self._gauges[key]
+
     def shed(self, requests: int) -> None:
         """Count requests refused by the overload control."""
         self._shed_metric.increment(requests)
@@ -380,8 +443,11 @@ class _BucketMetrics:
 
         Releasing them would delete the reloaded instance's metrics (``metric_lifetime.py``).
         """
-        keep(*self._by_bucket.values(), self._real_metric, self._padded_metric, self._shed_metric)
-        keep(self._executions, self._real, self._padded, self._shed)
+        keep(
+            *self._by_bucket.values(), *self._gauges.values(), self._real_metric, self._padded_metric, self._shed_metric
+        )
+        keep(self._executions, self._real, self._padded, self._shed, self._knobs, self._curve)
         self._by_bucket.clear()
+        self._gauges.clear()
         self._real_metric = self._padded_metric = self._shed_metric = None
         self._executions = self._real = self._padded = self._shed = None

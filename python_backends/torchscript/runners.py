@@ -147,6 +147,33 @@ class BucketedRunner:
             shapes = f"{len(lengths)} bucket lengths, eager on {self.device} (rows exact); lengths {lengths}"
         self.log(f"warmup done in {took:.1f} s: {shapes}")
 
+    def time_batches(self, length: int, batch_sizes: list[int], repeats: int = 3) -> dict[int, float]:
+        """Seconds of one execution of ``batch`` texts of ``length`` tokens, per batch size, on this runner's path.
+
+        Each size runs ``repeats`` times through the serving path (padding, graph replay or eager run, the copy to
+        the host) and its median is kept; the runs are not counted in :attr:`stats` or the metrics. Call after
+        :meth:`warmup`.
+
+        Returns:
+            ``{batch: seconds}``.
+        """
+        on_execute, self.on_execute = self.on_execute, None
+        stats, self.stats = self.stats, RunnerStats()
+        try:
+            out = {}
+            for batch in batch_sizes:
+                ids = np.full((batch, length), 100, dtype=np.int64)
+                mask = np.ones_like(ids)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    self(ids, mask)
+                    times.append(time.perf_counter() - start)
+                out[batch] = sorted(times)[len(times) // 2]
+            return out
+        finally:
+            self.on_execute, self.stats = on_execute, stats
+
     def _dummy(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.full((batch, length), 100, dtype=torch.int64, device=self.device)
         return ids, torch.ones_like(ids)

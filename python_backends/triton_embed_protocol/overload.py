@@ -380,13 +380,15 @@ class InFlight:
 
         self._update(change)
 
-    def answered(self, texts: int, bulk: int = 0, *, idle: bool = True) -> int:
+    def answered(self, texts: int, bulk: int = 0, *, idle: bool = True, limits: tuple[int, int] | None = None) -> int:
         """The encoder answered ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count.
 
         Args:
             texts: interactive texts.
             bulk: bulk texts.
             idle: the encoder's execution is over (False: it refused them and runs on).
+            limits: the encoder's ``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` now, texts (``capacity.Admission``);
+                None: keep the ones written.
         """
 
         def change(fields: list[int], now: int) -> None:
@@ -395,6 +397,8 @@ class InFlight:
             fields[6] -= bulk
             if idle:
                 fields[1] = now
+            if limits is not None:
+                fields[2], fields[8] = limits
 
         return self._update(change)[0]
 

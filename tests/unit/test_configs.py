@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
+from triton_embed_protocol.capacity import AUTO, Admission, ServiceCurve
 from tritonclient.grpc import model_config_pb2
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
@@ -33,22 +34,18 @@ def test_libtorch_ensemble_is_the_default_one_without_the_queued_stamp():
     assert inputs == {"input_ids", "attention_mask"}
 
 
-def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_has_a_guard_against_overload():
-    holds, bulk = [], []
+def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_a_door_measured_where_it_runs():
+    knobs = []
     for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
         config = parse(relative)
         stamp = next(i for i in config.input if i.name == "queued_ns")
         assert stamp.optional and list(stamp.dims) == [1], relative
-        holds.append(config.parameters["REFUSAL_HOLD_MS"].string_value)
-        door = int(config.parameters["MAX_IN_FLIGHT"].string_value)  # per hardware; 0 = no door
-        budget = float(config.parameters["LATENCY_BUDGET_MS"].string_value)
-        assert door > 0 or budget > 0, f"{relative}: neither a door nor a wait budget"
-        bulk.append((config.parameters["BULK_TEXTS"].string_value, config.parameters["BULK_QUEUE"].string_value))
-        lane = int(config.parameters["BULK_IN_FLIGHT"].string_value)  # 0 = no lane
-        assert (lane > 0) == (door > 0), (
-            f"{relative}: the door and the bulk lane go together (BULK_IN_FLIGHT, MAX_IN_FLIGHT)"
-        )
-    assert holds[0] == holds[1] and bulk[0] == bulk[1]
+        values = {k: v.string_value for k, v in config.parameters.items()}
+        for knob in Admission.KNOBS[1:]:  # CPU and GPU alike: each machine measures its own
+            assert values[knob] == AUTO, f"{relative}: {knob} is {values[knob]!r}, not measured"
+        Admission(values, ServiceCurve({1: 0.005, 64: 0.08}, config.max_batch_size))  # every knob reads
+        knobs.append({k: values[k] for k in (*Admission.KNOBS, "LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS", "BULK_QUEUE")})
+    assert knobs[0] == knobs[1]
     assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
 
 

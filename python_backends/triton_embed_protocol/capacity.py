@@ -1,0 +1,276 @@
+"""The encoder's service curve, measured where it runs, and the admission limits derived from it.
+
+The encoder times one execution per batch size at load (after warmup, nothing else running) and every execution it
+serves after that (:meth:`ServiceCurve.observe`: the whole ``execute``, as the queue behind it waits for it). From
+that curve, seconds per execution by rows, :class:`Admission` sets the door and the bulk lane (docs/overload.md):
+
+- ``MAX_IN_FLIGHT``: the most texts in flight whose predicted time in the service stays within
+  :data:`TARGET_SHARE` of ``SLA_MS``. With ``n`` texts in flight a new one waits for the execution running (at most
+  ``n`` rows) and then runs in the next: about ``2 t(n)`` while ``n`` fits one batch, ``t(B) (1 + ceil(n / B))``
+  beyond (``B`` = the model's ``max_batch_size``); never below :data:`FLOOR` of the door measured at load.
+- ``BULK_IN_FLIGHT``: the most bulk texts one execution may hold so that a one-text request behind it still answers
+  within that share: ``2 t(b)``, as for the door.
+- ``BULK_TEXTS``: a quarter of the door at load (the shipped ratio, 8 of 32): four such requests fit the door.
+- ``FLOOD_LATENCY_MS``: half of ``SLA_MS``; under a flood the door follows the answers (Little's law,
+  ``overload.Door``) so that an admitted request spends about that long in the service.
+
+A number in the config pins a knob; ``auto`` (the shipped value) derives it. Pure Python, no torch, no Triton:
+tests/unit/test_capacity.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+AUTO = "auto"
+"""The config value that lets a knob follow the measured curve."""
+
+TARGET_SHARE = 0.8
+"""Predicted time in the service allowed at the door's limit, a share of ``SLA_MS``. The rest is for what the curve
+does not see (the frontend, the tokenizer, a p99 above the mean): docs/benchmarks.md, "The measured door"."""
+
+REF_TOKENS = 16
+"""Tokens per text of the executions timed at load (STS Benchmark's median is 14); the executions served refine it."""
+
+WINDOW_S = 30.0
+"""Executions served within this many seconds make a row count's figure; older ones are forgotten, s."""
+
+SAMPLES = 16
+"""The latest executions kept per row count; their median is its figure (one stalled execution moves it little)."""
+
+MIN_SAMPLES = 3
+"""Executions a row count needs within :data:`WINDOW_S` before their median replaces the load-time estimate."""
+
+MAX_DOOR_BATCHES = 16
+"""The door's limit is at most this many full batches of texts (``16 x max_batch_size``)."""
+
+FLOOR = 0.5
+"""The door never goes below this share of the door measured at load: below it the batches grow too small for the
+encoder to keep its throughput (the flood rule's floor, ``overload.Door.FLOOR``, for the same reason)."""
+
+
+def grid(max_batch: int) -> list[int]:
+    """Row counts the curve holds: powers of two below ``max_batch``, then ``max_batch`` (64: 1, 2, 4, ..., 64)."""
+    sizes = [1 << k for k in range(max(1, max_batch).bit_length()) if 1 << k < max_batch]
+    return [*sizes, max(1, max_batch)]
+
+
+class ServiceCurve:
+    """Seconds per encoder execution by its rows: measured at load, then the median of the executions served.
+
+    Each execution served is counted at the grid point at or above its rows. A point with :data:`MIN_SAMPLES`
+    executions in the last :data:`WINDOW_S` takes their median (of the latest :data:`SAMPLES`); a point without takes
+    its load-time figure plus the difference the nearest such point shows over its own (the frontend's and the
+    backend's per-execution costs, contention from the tokenizer). The table never falls with more rows.
+    """
+
+    def __init__(self, warm_s: dict[int, float], max_batch: int) -> None:
+        """A curve from load-time timings.
+
+        Args:
+            warm_s: seconds of one execution, by rows (at least one entry; rows between them are interpolated).
+            max_batch: the model's ``max_batch_size``.
+
+        Raises:
+            ValueError: ``warm_s`` is empty or holds a time that is not positive.
+        """
+        if not warm_s or min(warm_s.values()) <= 0:
+            raise ValueError(f"the load-time timings must be positive seconds by rows; got {warm_s!r}")
+        self.max_batch = max(1, max_batch)
+        self.points = grid(self.max_batch)
+        self.warm = [_interpolate(sorted(warm_s.items()), rows) for rows in self.points]
+        self.served: list[deque[tuple[float, float]]] = [deque(maxlen=SAMPLES) for _ in self.points]
+
+    def observe(self, rows: int, seconds: float, now: float | None = None) -> None:
+        """Count one execution served: ``rows`` texts in ``seconds`` (wall time of the whole execution).
+
+        ``now``: ``time.monotonic()`` (None: read it).
+        """
+        if rows < 1 or seconds <= 0:
+            return
+        k = next((i for i, p in enumerate(self.points) if p >= rows), len(self.points) - 1)
+        self.served[k].append((time.monotonic() if now is None else now, seconds))
+
+    def table(self, now: float | None = None) -> list[tuple[int, float]]:
+        """The curve in force: ``[(rows, seconds per execution)]`` on the grid, never falling with more rows."""
+        now = time.monotonic() if now is None else now
+        medians: dict[int, float] = {}
+        for i, samples in enumerate(self.served):
+            recent = sorted(s for t, s in samples if now - t <= WINDOW_S)
+            if len(recent) >= MIN_SAMPLES:
+                medians[i] = recent[len(recent) // 2]
+        out, floor = [], 0.0
+        for i, (rows, warm) in enumerate(zip(self.points, self.warm, strict=True)):
+            if i in medians:
+                value = medians[i]
+            elif medians:
+                near = min(medians, key=lambda j: abs(j - i))
+                value = max(warm * 0.25, warm + medians[near] - self.warm[near])
+            else:
+                value = warm
+            floor = max(floor, value)
+            out.append((rows, floor))
+        return out
+
+    def seconds(self, rows: int, table: list[tuple[int, float]] | None = None) -> float:
+        """Predicted seconds of one execution of ``rows`` texts, interpolated on ``table`` (None: :meth:`table`)."""
+        return _interpolate(table or self.table(), rows)
+
+
+def _interpolate(points: list[tuple[int, float]], rows: int) -> float:
+    """Piecewise-linear value at ``rows`` through ``points`` (sorted by rows); flat below the first, linear beyond."""
+    if rows <= points[0][0] or len(points) == 1:
+        return points[0][1] * (max(rows, 1) / points[0][0] if rows > points[0][0] else 1.0)
+    for (r0, s0), (r1, s1) in zip(points, points[1:], strict=False):
+        if rows <= r1:
+            return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+    return points[-1][1] * rows / points[-1][0]
+
+
+def time_in_service(curve: ServiceCurve, texts: int, table: list[tuple[int, float]] | None = None) -> float:
+    """Predicted seconds a new text spends in the encoder's service with ``texts`` texts in flight (itself included).
+
+    It waits for the execution running, then runs in the next: ``2 t(n)`` while ``n`` fits a batch, else
+    ``t(B) (1 + ceil(n / B))``. ``table``: the curve's :meth:`ServiceCurve.table` (None: read it).
+    """
+    table = table or curve.table()
+    batch = curve.max_batch
+    if texts <= batch:
+        return 2 * curve.seconds(texts, table)
+    return curve.seconds(batch, table) * (1 + math.ceil(texts / batch))
+
+
+def largest_within(predict, budget_s: float, high: int) -> int:
+    """The largest ``n`` in ``[1, high]`` with ``predict(n) <= budget_s`` (``predict`` never falls); at least 1."""
+    low = 1
+    if predict(high) <= budget_s:
+        return high
+    while high - low > 1:  # predict(low) <= budget or low == 1; predict(high) > budget
+        mid = (low + high) // 2
+        if predict(mid) <= budget_s:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+@dataclass
+class Limits:
+    """The admission knobs in force and how each was set.
+
+    Attributes:
+        sla_ms: ``SLA_MS``, the p99 target, ms.
+        max_in_flight: the door, interactive texts in the service (0 = no door).
+        bulk_in_flight: the bulk lane's share, bulk texts in the service (0 = no lane).
+        bulk_texts: a request of more texts than this is bulk.
+        flood_latency_ms: under a flood the door aims an admitted request at this time in the service, ms.
+        how: per knob name, ``"pinned"`` (a number in the config) or what it was derived from.
+    """
+
+    sla_ms: float
+    max_in_flight: int
+    bulk_in_flight: int
+    bulk_texts: int
+    flood_latency_ms: float
+    how: dict[str, str] = field(default_factory=dict)
+
+    def knobs(self) -> dict[str, float]:
+        """``{knob name: value}``, as the config names them."""
+        return {
+            "SLA_MS": self.sla_ms,
+            "MAX_IN_FLIGHT": self.max_in_flight,
+            "BULK_IN_FLIGHT": self.bulk_in_flight,
+            "BULK_TEXTS": self.bulk_texts,
+            "FLOOD_LATENCY_MS": self.flood_latency_ms,
+        }
+
+    def describe(self) -> str:
+        """One log line: each knob, its value and how it was set."""
+        return "; ".join(f"{k} {v:g} ({self.how.get(k, 'pinned')})" for k, v in self.knobs().items())
+
+
+def pinned(parameters: dict[str, str], key: str, default: str, *, integer: bool = True) -> float | None:
+    """A knob's number when the config pins it, None when it says ``auto`` (or is absent and ``default`` is auto).
+
+    Raises:
+        ValueError: the value is neither ``auto`` nor a number >= 0; the message names the knob and the value.
+    """
+    text = parameters.get(key, default).strip()
+    if text.lower() == AUTO:
+        return None
+    kind = "an integer" if integer else "a number"
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        raise ValueError(f"config parameter {key} must be {AUTO!r} or {kind} >= 0; got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"config parameter {key} must be {AUTO!r} or {kind} >= 0; got {text!r}")
+    return value
+
+
+class Admission:
+    """The admission knobs of one encoder: pinned ones as the config says, the others derived from its curve.
+
+    ``BULK_TEXTS`` is fixed at load (the tokenizer and the encoder must sort a request into the same lane);
+    ``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` follow the curve as executions are served (:meth:`limits`).
+    """
+
+    KNOBS = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS")
+
+    def __init__(self, parameters: dict[str, str], curve: ServiceCurve) -> None:
+        """Read the knobs (``auto`` or a number each) and derive the ones left to the curve.
+
+        Args:
+            parameters: the encoder's config parameters (``triton_embed_protocol.config_parameters``).
+            curve: its service curve, measured at load.
+
+        Raises:
+            ValueError: a knob is neither ``auto`` nor a number >= 0 (``SLA_MS``: a number > 0).
+        """
+        sla = pinned(parameters, "SLA_MS", "200", integer=False)
+        if not sla:
+            raise ValueError(f"config parameter SLA_MS must be a number of ms > 0; got {parameters.get('SLA_MS')!r}")
+        self.sla_ms = sla
+        self.curve = curve
+        self._door = pinned(parameters, "MAX_IN_FLIGHT", AUTO)
+        self._bulk = pinned(parameters, "BULK_IN_FLIGHT", AUTO)
+        flood = pinned(parameters, "FLOOD_LATENCY_MS", AUTO, integer=False)
+        self.flood_latency_ms = self.sla_ms / 2 if flood is None else flood
+        self._how = {"SLA_MS": "the p99 target", "FLOOD_LATENCY_MS": "half of SLA_MS" if flood is None else "pinned"}
+        self._load_door = 0
+        self._load_door = self._door_and_lane()[0]
+        texts = pinned(parameters, "BULK_TEXTS", AUTO)
+        if texts is None:
+            door = self._load_door or self.curve.max_batch
+            texts = max(1, min(self.curve.max_batch, door // 4))
+            self._how["BULK_TEXTS"] = "a quarter of the door at load"
+        self.bulk_texts = int(texts)
+
+    def _door_and_lane(self, now: float | None = None) -> tuple[int, int, dict[str, str]]:
+        """``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` from the curve as it stands (or pinned), with how each was set."""
+        table = self.curve.table(now)
+        budget_s = self.sla_ms * TARGET_SHARE / 1000
+        batch = self.curve.max_batch
+        how = {}
+        if self._door is None:
+            door = largest_within(lambda n: time_in_service(self.curve, n, table), budget_s, MAX_DOOR_BATCHES * batch)
+            door = max(door, math.ceil(self._load_door * FLOOR))
+            how["MAX_IN_FLIGHT"] = (
+                f"measured: {time_in_service(self.curve, door, table) * 1000:.0f} ms predicted in service"
+            )
+        else:
+            door = int(self._door)
+        if self._bulk is None:
+            bulk = largest_within(lambda n: 2 * self.curve.seconds(n, table), budget_s, 4 * batch)
+            how["BULK_IN_FLIGHT"] = f"measured: {self.curve.seconds(bulk, table) * 1000:.0f} ms an execution"
+        else:
+            bulk = int(self._bulk)
+        return door, bulk, how
+
+    def limits(self, now: float | None = None) -> Limits:
+        """The knobs in force now (``time.monotonic()``; None: read it), from the curve as it stands."""
+        door, bulk, how = self._door_and_lane(now)
+        return Limits(self.sla_ms, door, bulk, self.bulk_texts, self.flood_latency_ms, {**self._how, **how})

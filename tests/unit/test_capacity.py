@@ -1,0 +1,134 @@
+"""The service curve and the admission knobs derived from it, as pure logic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from triton_embed_protocol.capacity import (
+    TARGET_SHARE,
+    Admission,
+    ServiceCurve,
+    grid,
+    largest_within,
+    time_in_service,
+)
+
+
+def linear_curve(fixed_ms: float, per_text_ms: float, max_batch: int = 64) -> ServiceCurve:
+    """A machine whose execution of n texts takes fixed + n x per_text, ms."""
+    return ServiceCurve({n: (fixed_ms + n * per_text_ms) / 1000 for n in grid(max_batch)}, max_batch)
+
+
+def test_the_grid_is_powers_of_two_up_to_the_largest_batch():
+    assert grid(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert grid(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert grid(1) == [1]
+
+
+def test_the_curve_interpolates_between_its_points_and_grows_linearly_past_a_batch():
+    curve = linear_curve(2, 1)
+    assert curve.seconds(1) == pytest.approx(0.003)
+    assert curve.seconds(24) == pytest.approx(0.026)  # between 16 (18 ms) and 32 (34 ms)
+    assert curve.seconds(128) == pytest.approx(2 * 0.066)
+
+
+def within_one_batch(fixed_ms: float, per_text_ms: float, sla_ms: float = 200) -> int:
+    """The door on a linear machine while it fits a batch: the most n with 2 (fixed + n per_text) <= share x SLA."""
+    return math.floor((sla_ms * TARGET_SHARE / 2 - fixed_ms) / per_text_ms + 1e-9)
+
+
+def test_the_door_is_the_most_texts_whose_predicted_time_in_service_fits_the_target():
+    curve = linear_curve(3, 2)  # 2-core-like: 3 ms + 2 ms a text
+    limits = Admission({}, curve).limits()
+    door = within_one_batch(3, 2)
+    assert limits.max_in_flight == door
+    assert time_in_service(curve, door) <= TARGET_SHARE * 0.2 < time_in_service(curve, door + 1)
+    # a one-text request behind a bulk execution of b and then its own batch: the same bound while both fit a batch
+    assert limits.flood_latency_ms == 100 and limits.bulk_texts == door // 4 and limits.bulk_in_flight == door
+
+
+def test_a_faster_machine_gets_a_wider_door_and_a_slower_one_a_narrower():
+    fast = Admission({}, linear_curve(1, 0.2)).limits()  # batches run whole; several batches fit the SLA
+    slow = Admission({}, linear_curve(5, 4)).limits()  # one core
+    two_core = Admission({}, linear_curve(3, 2)).limits()
+    assert slow.max_in_flight < two_core.max_in_flight < fast.max_in_flight
+    assert fast.max_in_flight > 64  # past one batch: it waits for whole executions ahead of it
+    assert slow.max_in_flight == within_one_batch(5, 4)
+
+
+def test_the_sla_sizes_the_door():
+    tight = Admission({"SLA_MS": "100"}, linear_curve(3, 2)).limits()
+    assert tight.max_in_flight == within_one_batch(3, 2, sla_ms=100) and tight.flood_latency_ms == 50
+
+
+def test_a_number_pins_a_knob_and_auto_derives_it():
+    limits = Admission(
+        {"MAX_IN_FLIGHT": "32", "BULK_TEXTS": "8", "BULK_IN_FLIGHT": "0", "FLOOD_LATENCY_MS": "10"},
+        linear_curve(2, 2),
+    ).limits()
+    assert (limits.max_in_flight, limits.bulk_texts, limits.bulk_in_flight, limits.flood_latency_ms) == (32, 8, 0, 10)
+    assert all(limits.how[k] == "pinned" for k in ("FLOOD_LATENCY_MS",))
+    assert "MAX_IN_FLIGHT" not in limits.how  # pinned: describe() says so
+    assert "MAX_IN_FLIGHT 32 (pinned)" in limits.describe()
+    assert "measured" in Admission({"MAX_IN_FLIGHT": "auto"}, linear_curve(2, 2)).limits().how["MAX_IN_FLIGHT"]
+
+
+@pytest.mark.parametrize(("key", "value"), [("MAX_IN_FLIGHT", "many"), ("BULK_TEXTS", "-1"), ("SLA_MS", "0")])
+def test_a_bad_knob_names_itself_and_the_value(key, value):
+    with pytest.raises(ValueError, match=f"config parameter {key} must be .*; got '{value}'"):
+        Admission({key: value}, linear_curve(2, 2))
+
+
+def test_the_executions_served_move_the_door_down_to_half_its_load_time_width_and_up():
+    curve = linear_curve(3, 2)
+    admission = Admission({}, curve)
+    before = admission.limits(now=0).max_in_flight
+    for _ in range(8):  # under load the executions take twice the time measured at load
+        curve.observe(16, 2 * 0.035, now=0)
+        curve.observe(32, 2 * 0.067, now=0)
+    assert before / 2 <= admission.limits(now=1).max_in_flight < before
+    for _ in range(8):  # a stall: the door stays at half its width, where batches still keep the throughput
+        curve.observe(16, 1.0, now=2)
+        curve.observe(32, 1.0, now=2)
+    assert admission.limits(now=3).max_in_flight == before // 2
+    for _ in range(16):  # shorter texts than the load-time timing's
+        curve.observe(16, 0.010, now=4)
+        curve.observe(32, 0.018, now=4)
+    assert admission.limits(now=5).max_in_flight > before
+    assert admission.limits(now=5).bulk_texts == before // 4  # fixed at load: both backends must sort a request alike
+
+
+def test_one_stalled_execution_moves_little_and_old_ones_are_forgotten():
+    curve = linear_curve(3, 2)
+    for _ in range(5):
+        curve.observe(16, 0.035, now=0)
+    curve.observe(16, 5.0, now=0)
+    assert curve.seconds(16, curve.table(now=1)) == pytest.approx(0.035)
+    curve.observe(32, 5.0, now=0)  # alone: not enough to replace the estimate
+    assert curve.seconds(32, curve.table(now=1)) == pytest.approx(0.067)
+    assert curve.table(now=100) == linear_curve(3, 2).table(now=100)  # past WINDOW_S: the load-time curve again
+
+
+def test_a_point_not_reached_yet_carries_the_difference_the_nearest_reached_one_shows():
+    curve = linear_curve(2, 2)
+    for _ in range(3):  # a one-text execution costs 6 ms more than at load (the frontend, the tokenizer)
+        curve.observe(1, 0.010, now=0)
+    table = dict(curve.table(now=0))
+    assert table[1] == pytest.approx(0.010)
+    assert table[2] == pytest.approx(0.006 + 0.006)
+    assert table[64] == pytest.approx(0.130 + 0.006)
+
+
+def test_the_curve_never_falls_with_more_rows():
+    curve = linear_curve(2, 2)
+    for _ in range(3):
+        curve.observe(8, 0.200, now=0)  # slow executions of 8
+    values = [s for _, s in curve.table(now=0)]
+    assert values == sorted(values)
+
+
+def test_largest_within():
+    assert largest_within(lambda n: n, 10.0, 100) == 10
+    assert largest_within(lambda n: n, 1000.0, 100) == 100
+    assert largest_within(lambda n: n, 0.0, 100) == 1
