@@ -82,13 +82,14 @@ def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(
     rows = scrape(fault_server.metrics_url)
     for name in ("triton_embed_shed_requests_total", "triton_embed_padded_tokens_total"):
         assert any(k.startswith(f"{name}{{") for k in rows), sorted(rows)
-    # The door still knows the encoder's MAX_IN_FLIGHT (32), REFUSAL_HOLD_MS (1 s), FLOOD_LATENCY_MS (100 ms) and
-    # BULK_IN_FLIGHT, BULK_QUEUE, BULK_TEXTS (64, 2048, 8): the shared in-flight file (overload.InFlight: count, idle
-    # since, limit, hold ns, flood ns, answered, bulk count, last interactive hand-off, the bulk knobs) outlives a
-    # reload of either backend.
+    # The door still knows the encoder's knobs as the reloaded encoder measured them (the gauges), REFUSAL_HOLD_MS
+    # (1 s) and BULK_QUEUE (2048): the shared in-flight file (overload.InFlight: count, idle since, limit, hold ns,
+    # flood ns, answered, bulk count, last interactive hand-off, the bulk knobs) outlives a reload of either backend.
     (door,) = Path("/dev/shm").glob(f"triton-embed-{fault_server.pid}-*.in-flight")
     fields = struct.unpack("<" + "q" * 11, door.read_bytes())
-    assert fields[2:5] == (32, 1_000_000_000, 100_000_000) and fields[8:11] == (64, 2048, 8)
+    knobs = {k.split('knob="')[1].split('"')[0]: v for k, v in rows.items() if k.startswith("triton_embed_admission{")}
+    assert fields[2:5] == (knobs["MAX_IN_FLIGHT"], 1_000_000_000, knobs["FLOOD_LATENCY_MS"] * 1_000_000)
+    assert fields[8:11] == (knobs["BULK_IN_FLIGHT"], 2048, knobs["BULK_TEXTS"]) and fields[2] > 0
 
 
 def stub_regions(server_pid: int) -> set[str]:

@@ -106,11 +106,15 @@ def test_the_client_checks_the_budget_before_sending():
             EmbeddingClient(url="127.0.0.1:1", latency_budget_ms=bad)
 
 
+PINNED = {("encoder", "MAX_IN_FLIGHT"): "32", ("encoder", "BULK_TEXTS"): "8", ("encoder", "BULK_IN_FLIGHT"): "64"}
+"""The door and the lane pinned where the tests of their mechanisms count (the measured ones: test_measured_door.py)."""
+
+
 @pytest.fixture(scope="module")
 def fresh_server(tmp_path_factory):
-    """The shipped configs with the response cache off (every text here is new anyway)."""
+    """The shipped configs with the door and the lane pinned (:data:`PINNED`), the response cache off."""
     tmp = tmp_path_factory.mktemp("fresh")
-    repo = variant_repository(tmp / "repo", None)
+    repo = variant_repository(tmp / "repo", None, knobs=PINNED)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 
@@ -149,8 +153,8 @@ def closed_loop(url: str, texts: list[str], clients: int, seconds: float) -> tup
 
 
 def test_a_closed_loop_of_max_in_flight_clients_is_never_refused_fresh_or_after_an_idle_spell(fresh_server, sts_texts):
-    # 32 clients = MAX_IN_FLIGHT as shipped, above this machine's knee on a slow day: the door is a count, and no
-    # wait budget applies as shipped, so however slow the machine, none is refused.
+    # 32 clients = MAX_IN_FLIGHT pinned, above this machine's knee on a slow day: the door is a count, and no wait
+    # budget applies as shipped, so however slow the machine, none is refused.
     texts = sts_texts(20_000, "closed")
     answers, errors = closed_loop(fresh_server.grpc_url, texts, clients=32, seconds=6)
     assert answers >= 32 and errors == []
@@ -184,10 +188,10 @@ def test_clients_that_retry_at_once_keep_the_goodput(fresh_server, sts_texts):
 
 @pytest.fixture(scope="module")
 def flood_server(tmp_path_factory):
-    """MAX_IN_FLIGHT 32 as shipped, FLOOD_LATENCY_MS 10: under a flood the limit (answers/s x 10 ms, at least 16) is
-    below 32 on any CPU, so the test sees the door lower it whatever the machine's speed."""
+    """MAX_IN_FLIGHT 32, FLOOD_LATENCY_MS 10: under a flood the limit (answers/s x 10 ms, at least 16) is below 32 on
+    any CPU, so the test sees the door lower it whatever the machine's speed."""
     tmp = tmp_path_factory.mktemp("flood")
-    repo = variant_repository(tmp / "repo", knobs={("encoder", "FLOOD_LATENCY_MS"): "10"})
+    repo = variant_repository(tmp / "repo", knobs={**PINNED, ("encoder", "FLOOD_LATENCY_MS"): "10"})
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 

@@ -1,0 +1,94 @@
+"""The door follows the machine it serves from, with the shipped configuration and no knob touched.
+
+A faster machine is stood in for by a tiny model (a 2-layer, width-32 BERT): the door it measures is wider than a
+2-core machine's knee with all-MiniLM-L6-v2, and a closed loop of one-text clients past that width is never refused.
+A slower one is the server held to one CPU core (its stubs inherit the affinity): under clients that retry at once
+the accepted p99 stays within the SLA and the goodput near the best the machine gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import time
+
+import pytest
+from helpers import scrape
+from small_models import repository_for, small_sentence_transformer
+from test_overload import closed_loop
+from triton_embed_server.embedded import EmbeddedServer
+
+from bench.overload import no_backoff_loop
+from bench.run import variant_repository
+
+SLA_MS = 200  # SLA_MS as shipped
+
+
+def admission(server) -> dict[str, float]:
+    """The admission knobs in force, from the gauge ``triton_embed_admission``."""
+    rows = scrape(server.metrics_url)
+    return {k.split('knob="')[1].split('"')[0]: v for k, v in rows.items() if k.startswith("triton_embed_admission{")}
+
+
+def load_time_door(log: str) -> int:
+    """The door the encoder measured at load, from its start-up line."""
+    return int(re.search(r"admission .*MAX_IN_FLIGHT (\d+) \(measured", log).group(1))
+
+
+def texts(tag: str, count: int = 200_000) -> list[str]:
+    """Texts never sent before: the response cache must not answer them."""
+    return [f"{tag} {time.time_ns()} sentence number {i} about something new" for i in range(count)]
+
+
+@contextlib.contextmanager
+def on_cores(cores: set[int]):
+    """Processes started inside inherit ``cores`` as their CPU affinity; this process gets its own back after."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@pytest.fixture(scope="module")
+def fast_server(tmp_path_factory):
+    """A tiny BERT behind the shipped configs: a machine many times faster than the one the old constants fit."""
+    tmp = tmp_path_factory.mktemp("fast")
+    model = small_sentence_transformer(tmp / "st", 32)
+    repo = repository_for(model, tmp / "repo")
+    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
+        yield srv
+
+
+def test_a_faster_machine_measures_a_wider_door_and_a_loop_past_the_old_one_is_never_refused(fast_server):
+    knobs = admission(fast_server)
+    print(knobs, load_time_door(fast_server.config.log_file.read_text()))
+    assert knobs["SLA_MS"] == SLA_MS and knobs["MAX_IN_FLIGHT"] > 96
+    answers, errors = closed_loop(fast_server.grpc_url, texts("fast"), clients=96, seconds=5)
+    assert answers >= 96 and errors == [], errors[:3]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: the server on one, the clients on another")
+def test_a_slower_machine_keeps_the_accepted_p99_within_the_sla_past_its_door(tmp_path):
+    repo = variant_repository(tmp_path / "repo", None)  # the shipped configs, the response cache off
+    server_core, client_core = sorted(os.sched_getaffinity(0))[:2]
+    with on_cores({server_core}):
+        server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                                log_file=tmp_path / "log")  # fmt: skip
+        server.start()
+    try:
+        server.wait_ready(timeout_s=240)
+        door = load_time_door((tmp_path / "log").read_text())
+        with on_cores({client_core}):
+            best = asyncio.run(no_backoff_loop(server.grpc_url, texts("slow-best"), clients=8, seconds=6))
+            flood = asyncio.run(no_backoff_loop(server.grpc_url, texts("slow-flood"), clients=64, seconds=8))
+        print(door, admission(server), best, flood)  # shown when the test fails
+    finally:
+        server.stop()
+    assert 8 <= door < 32  # one core: narrower than the 2-core knee
+    assert best.refused_per_s == 0 and best.other_errors == 0 and flood.other_errors == 0
+    assert flood.p99_ms <= SLA_MS
+    assert flood.ok_per_s >= 0.8 * best.ok_per_s
