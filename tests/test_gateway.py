@@ -361,7 +361,7 @@ def test_overload_from_triton_is_503_with_retry_after(tmp_path):
     with server, gateway_running(server.grpc_url, tmp_path / "gateway.log") as base:
         status, answer, headers = post(f"{base}/v1/embeddings", {"input": "refused as overloaded"})
         assert status == 503 and headers.get("Retry-After") == "1", (status, answer)
-        assert "overloaded" in answer["error"]["message"] and "LATENCY_BUDGET_MS" in answer["error"]["message"]
+        assert answer["error"]["code"] == "overloaded_budget" and "LATENCY_BUDGET_MS" in answer["error"]["message"]
         status, _, _ = post(f"{base}/v1/embeddings", {"input": ["a"] * 100})  # split lists are never refused
         assert status == 200
 
@@ -377,6 +377,6 @@ def test_a_latency_budget_in_the_body_reaches_the_service(gateway, route, field)
         message = answer["error"]
     else:
         message = answer["error"]["message"]
-    assert message.startswith("overloaded: ") and "over the 0.001 ms latency budget" in message, answer
+    assert message.startswith("overloaded[budget]: ") and "over the 0.001 ms latency budget" in message, answer
     status, _, _ = post(f"{gateway}{route}", {field: f"never refused {route}", "latency_budget_ms": 0})
     assert status == 200

@@ -71,7 +71,9 @@ def test_a_faster_machine_measures_a_wider_door_and_a_loop_past_the_old_one_is_n
     assert answers >= 96 and errors == [], errors[:3]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: the server on one, the clients on another")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: the server on one, the clients on another"
+)
 def test_a_slower_machine_keeps_the_accepted_p99_within_the_sla_past_its_door(tmp_path):
     repo = variant_repository(tmp_path / "repo", None)  # the shipped configs, the response cache off
     server_core, client_core = sorted(os.sched_getaffinity(0))[:2]

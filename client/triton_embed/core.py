@@ -132,8 +132,8 @@ def retryable(error: EmbeddingError) -> bool:
     return isinstance(error, ServerUnavailableError)
 
 
-OVERLOADED = ("overloaded:", "Exceeds maximum queue size")
-"""How a server that is up says it refused a request for load (the encoder's refusals, a full Triton queue)."""
+OVERLOADED = "Exceeds maximum queue size"
+"""How Triton says a full queue refused a request (the encoder's own refusals carry a reason code instead)."""
 
 
 def endpoint_failed(error: EmbeddingError) -> bool:
@@ -141,7 +141,8 @@ def endpoint_failed(error: EmbeddingError) -> bool:
 
     An overload refusal is retryable (on another endpoint first) but leaves its endpoint up: it serves, and is busy.
     """
-    return retryable(error) and not any(marker in str(error) for marker in OVERLOADED)
+    refused = isinstance(error, ServerUnavailableError) and error.reason is not None
+    return retryable(error) and not refused and OVERLOADED not in str(error)
 
 
 RECONNECT_BACKOFF_MS = 1000

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import re
 
+from triton_embed_protocol import refusal_reason
+
 
 class EmbeddingError(Exception):
     """Base class of every error this library raises."""
@@ -22,6 +24,11 @@ class InvalidInputError(EmbeddingError):
 
 class ServerUnavailableError(EmbeddingError):
     """The server could not be reached, is not ready, or shed the request (gRPC UNAVAILABLE / HTTP 503)."""
+
+    @property
+    def reason(self) -> str | None:
+        """For a refusal as overloaded, its code (``door``, ``flood``, ``bulk_queue``, ``budget``); else None."""
+        return refusal_reason(str(self))
 
 
 class EmbeddingTimeoutError(EmbeddingError):

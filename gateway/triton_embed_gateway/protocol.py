@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from triton_embed import core
-from triton_embed_protocol import budget_problem
+from triton_embed_protocol import budget_problem, refusal_reason
 
 Vectors = npt.NDArray[np.float32]
 """Embeddings, float32 ``(n, dim)``, rows of unit length."""
@@ -63,7 +63,7 @@ class ApiError(Exception):
         if self.status < 500:
             kind = "validation"
         elif self.status == 503:
-            kind = "overloaded" if "overloaded" in self.message else "unhealthy"
+            kind = "overloaded" if refusal_reason(self.message) else "unhealthy"
         else:
             kind = "backend"
         return {"error": self.message, "error_type": kind}

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from triton_embed_protocol import REFUSAL_REASONS, refusal_reason
 
 if TYPE_CHECKING:  # the SDK is imported only when tracing is on
     from opentelemetry.sdk.trace import TracerProvider
@@ -30,20 +30,15 @@ if TYPE_CHECKING:  # the SDK is imported only when tracing is on
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 DEFAULT_SERVICE_NAME = "triton-embed"
-_RULES = (  # the overload rule a refusal names, by a phrase of its message (triton_embed_protocol.overload)
-    (re.compile(r"under a flood"), "FLOOD_LATENCY_MS"),
-    (re.compile(r"texts are in flight"), "MAX_IN_FLIGHT"),
-    (re.compile(r"bulk texts are waiting"), "BULK_QUEUE"),
-    (re.compile(r"waited [\d.]+ ms in the encoder's queue"), "latency_budget_ms"),
-)
 
 
 def overload_rule(message: str) -> str | None:
-    """The knob a refusal's message names; None for any other message.
+    """The knob a refusal's reason code names (``triton_embed_protocol.REFUSAL_REASONS``); None for another message.
 
     One of ``MAX_IN_FLIGHT``, ``FLOOD_LATENCY_MS``, ``BULK_QUEUE``, ``latency_budget_ms``.
     """
-    return next((rule for pattern, rule in _RULES if pattern.search(message)), None)
+    reason = refusal_reason(message)
+    return None if reason is None else REFUSAL_REASONS[reason]
 
 
 def tracing_enabled(environ: Mapping[str, str]) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+from triton_embed_protocol import refusal_reason
 from tritonclient.utils import InferenceServerException
 
 from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, Vectors, shorten
@@ -69,6 +70,8 @@ def api_error(
         return ApiError(400, message, param=param, code="invalid_value")
     # a dead backend stub answers INTERNAL "... is not healthy" until the watchdog's reload (a Triton 2.51 workaround,
     # docs/troubleshooting.md): an outage of seconds
+    if reason := refusal_reason(message):  # the code the encoder's admission put in front (REFUSAL_REASONS)
+        return ApiError(503, message, code=f"overloaded_{reason}", retry_after_s=RETRY_AFTER_S)
     if "UNAVAILABLE" in status or "NOT_FOUND" in status or "is not healthy" in message:
         return ApiError(503, message, code="overloaded_or_not_ready", retry_after_s=RETRY_AFTER_S)
     if "DEADLINE_EXCEEDED" in status:

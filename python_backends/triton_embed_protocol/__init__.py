@@ -49,6 +49,38 @@ def budget_problem(value: object, name: str = "latency_budget_ms") -> str | None
     return None
 
 
+REFUSAL_REASONS = {
+    "door": "MAX_IN_FLIGHT",
+    "flood": "FLOOD_LATENCY_MS",
+    "bulk_queue": "BULK_QUEUE",
+    "budget": "latency_budget_ms",
+}
+"""Why a request was refused as overloaded (gRPC UNAVAILABLE / HTTP 503), by the knob that rule reads: the door was
+full, the door under a flood was full, the bulk lane was full, the request waited past its latency budget."""
+
+
+def refusal(reason: str, detail: str) -> str:
+    """The message of a request refused as overloaded: ``overloaded[<reason>]: <detail>``.
+
+    ``reason``: a key of :data:`REFUSAL_REASONS`, which callers read back with :func:`refusal_reason`.
+
+    Raises:
+        ValueError: ``reason`` is not one of them.
+    """
+    if reason not in REFUSAL_REASONS:
+        raise ValueError(f"refusal reason must be one of {sorted(REFUSAL_REASONS)}; got {reason!r}")
+    return f"overloaded[{reason}]: {detail}"
+
+
+def refusal_reason(message: str) -> str | None:
+    """The reason code of an overload refusal's message (Triton may put its own words in front); None for another."""
+    start = message.find("overloaded[")
+    if start < 0:
+        return None
+    reason = message[start + len("overloaded[") :].split("]", 1)[0]
+    return reason if reason in REFUSAL_REASONS else None
+
+
 class RequestError(ValueError):
     """A problem with one request; becomes that request's INVALID_ARG response, naming the field, limit and value."""
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from triton_embed_protocol import BUDGET, budget_problem
+from triton_embed_protocol import BUDGET, budget_problem, refusal
 
 METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
@@ -87,9 +87,10 @@ def refusal_message(waited_ms: float, budget_ms: float, *, own: bool = False) ->
         else "LATENCY_BUDGET_MS in the encoder's config; the request parameter latency_budget_ms overrides it, "
         "0 = never refused"
     )
-    return (
-        f"overloaded: the request waited {waited_ms:.{digits}f} ms in the encoder's queue, over the {budget_ms:g} ms "
-        f"latency budget ({source}). Retry with backoff"
+    return refusal(
+        "budget",
+        f"the request waited {waited_ms:.{digits}f} ms in the encoder's queue, over the {budget_ms:g} ms latency "
+        f"budget ({source}). Retry with backoff",
     )
 
 
@@ -149,9 +150,11 @@ def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int |
         flood_ms: ``FLOOD_LATENCY_MS``, ms.
         bulk_texts: ``BULK_TEXTS`` (0: no bulk lane, the message offers none).
     """
+    reason = "door"
     if max_in_flight is None or limit >= max_in_flight:
         why = "MAX_IN_FLIGHT in the encoder's config"
     else:
+        reason = "flood"
         why = (f"under a flood: the texts the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
                f"of MAX_IN_FLIGHT to all of it, {max_in_flight}, in the encoder's config")  # fmt: skip
     lane = (
@@ -161,9 +164,10 @@ def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int |
         else ""
     )
     noun = "text" if texts == 1 else "texts"
-    return (
-        f"overloaded: {in_flight} texts are in flight and this request has {texts} {noun}; the limit is {limit} "
-        f"texts ({why}{lane}). Retry with backoff"
+    return refusal(
+        reason,
+        f"{in_flight} texts are in flight and this request has {texts} {noun}; the limit is {limit} texts "
+        f"({why}{lane}). Retry with backoff",
     )
 
 
@@ -206,9 +210,10 @@ def admit(
 
 def queue_full_message(waiting: int, texts: int, bulk_queue: int) -> str:
     """The UNAVAILABLE message of a bulk request refused because the bulk lane holds ``bulk_queue`` texts already."""
-    return (
-        f"overloaded: {waiting} bulk texts are waiting and this request has {texts}; the limit is {bulk_queue} texts "
-        "(BULK_QUEUE in the encoder's config). Retry with backoff"
+    return refusal(
+        "bulk_queue",
+        f"{waiting} bulk texts are waiting and this request has {texts}; the limit is {bulk_queue} texts "
+        "(BULK_QUEUE in the encoder's config). Retry with backoff",
     )
 
 

@@ -287,8 +287,10 @@ def test_a_name_with_several_addresses_becomes_one_endpoint_per_address(monkeypa
 def test_only_unreachable_not_ready_or_draining_marks_an_endpoint_down():
     assert endpoint_failed(ServerUnavailableError("model 'embed' at a:1: failed to connect to all addresses"))
     assert endpoint_failed(ServerUnavailableError("model 'embed' at a:1: 'embed' has no available versions"))
-    overloaded = "model 'embed' at a:1: overloaded: the request waited 300 ms in the encoder's queue"
+    overloaded = "model 'embed' at a:1: overloaded[budget]: the request waited 300 ms in the encoder's queue"
     assert not endpoint_failed(ServerUnavailableError(overloaded))
+    assert ServerUnavailableError(overloaded).reason == "budget"
+    assert ServerUnavailableError("model 'embed' at a:1: failed to connect to all addresses").reason is None
     assert not endpoint_failed(ServerUnavailableError("model 'embed' at a:1: Exceeds maximum queue size"))
     assert not endpoint_failed(InvalidInputError("bad"))
     assert not endpoint_failed(EmbeddingTimeoutError("slow"))

@@ -233,8 +233,8 @@ def test_the_bulk_lane_hands_on_in_order_within_its_share_and_refuses_past_its_q
         time.sleep(0.05)
         assert sent == ["a"] and lane.waiting() == 128 and flight.door().bulk == 64
         message = lane.offer(200, lambda: sent.append("e"), bulk_queue=256)
-        assert message == ("overloaded: 128 bulk texts are waiting and this request has 200; the limit is 256 texts "
-                           "(BULK_QUEUE in the encoder's config). Retry with backoff")  # fmt: skip
+        assert message == ("overloaded[bulk_queue]: 128 bulk texts are waiting and this request has 200; the limit is "
+                           "256 texts (BULK_QUEUE in the encoder's config). Retry with backoff")  # fmt: skip
         flight.answer(64)
         wait_for(lambda: sent == ["a", "b", "c"])  # 32 + 32 fit the share
         time.sleep(0.05)

@@ -55,13 +55,12 @@ def test_the_gateway_follows_the_same_switch():
 
 
 @pytest.mark.parametrize(("message", "rule"), [
-    ("overloaded: 32 texts are in flight and this request has 1 text; the limit is 32 texts (MAX_IN_FLIGHT",
-     "MAX_IN_FLIGHT"),
-    ("overloaded: 20 texts are in flight and this request has 1 text; the limit is 20 texts (under a flood:",
-     "FLOOD_LATENCY_MS"),
-    ("overloaded: 2048 bulk texts are waiting and this request has 64; the limit is 2048 texts", "BULK_QUEUE"),
-    ("overloaded: the request waited 181 ms in the encoder's queue, over the 180 ms latency budget",
-     "latency_budget_ms"),
+    ("in ensemble 'embed', overloaded[door]: 32 texts are in flight and this request has 1 text", "MAX_IN_FLIGHT"),
+    ("overloaded[flood]: 20 texts are in flight and this request has 1 text", "FLOOD_LATENCY_MS"),
+    ("overloaded[bulk_queue]: 2048 bulk texts are waiting and this request has 64", "BULK_QUEUE"),
+    ("overloaded[budget]: the request waited 181 ms in the encoder's queue", "latency_budget_ms"),
+    ("overloaded: 32 texts are in flight", None),  # no reason code: not one of the encoder's refusals
+    ("overloaded[nonsense]: 32 texts are in flight", None),
     ("input 'TEXT' row 0 has 70000 bytes; the limit is 65536 bytes", None),
 ])  # fmt: skip
 def test_a_refusal_names_its_rule(message, rule):
