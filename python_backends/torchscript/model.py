@@ -31,6 +31,7 @@ import site
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 # Triton 2.51 workaround (docs/troubleshooting.md): the stub starts its interpreter without reading PYTHONPATH.
@@ -304,63 +305,94 @@ class TritonPythonModel:
         return texts, 0
 
     def _execute(self, requests: list) -> None:
+        """Validate -> refuse (the wait rule) -> merge -> run -> split; every request answered once."""
         now_ns = time.monotonic_ns()
-        pieces: list[tuple[np.ndarray, np.ndarray] | None] = []
-        errors: dict[int, pb_utils.TritonError] = {}
-        stamps: list[int | None] = []
-        waited: list[float | None] = []
-        budgets: list[float] = []
-        own: list[bool] = []
-        counts: list[tuple[int, int]] = []
-        for i, request in enumerate(requests):  # validate
-            stamps.append(queued_stamp(request))
-            waited.append(None if stamps[i] is None else (now_ns - stamps[i]) / 1e6)
-            parameters = request_parameters(request.parameters())
-            counts.append(self._texts_in_flight(queued_rows(request), parameters))
-            own.append(BUDGET in parameters)
-            try:
-                budgets.append(request_budget_ms(parameters, self.latency_budget_ms))
-                pieces.append(read_request(request, self.max_seq_length, self.vocab_size))
-            except (RequestError, BudgetError) as exc:
-                errors[i] = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                budgets.append(0.0)
-                pieces.append(None)
-        self._owed = [sum(c[0] for c in counts), sum(c[1] for c in counts)]  # direct callers were never counted in
-        live = [i for i, piece in enumerate(pieces) if piece is not None]
-        refused = shed([waited[i] for i in live], [budgets[i] for i in live], [own[i] for i in live])  # the wait rule
-        if refused:  # out of flight before a refusal falls due: its client may send again at once
-            gone = [sum(counts[live[k]][j] for k in refused) for j in (0, 1)]
-            self.in_flight.answered(*gone, idle=False)
-            self._owed = [self._owed[0] - gone[0], self._owed[1] - gone[1]]
-        for k, message in refused.items():
-            error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
-            answer = _answer(requests[live[k]], pb_utils.InferenceResponse(output_tensors=[], error=error))
-            self.refusals.hold(stamps[live[k]] + self.refusal_hold_ns, answer)
-            pieces[live[k]] = None
-        if refused:
-            self._metrics.shed(len(refused))
-
-        valid = [piece for piece in pieces if piece is not None]
-        if valid:  # merge -> run
-            ids, mask = merge_ragged(valid)
-            self._rows = ids.shape[0]
-            embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
-            if embeddings.shape != (ids.shape[0], self.dim):
-                raise pb_utils.TritonModelException(
-                    f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
-                    f"[{ids.shape[0]}, {self.dim}]"
-                )
-
+        items = [self._validate(request, now_ns) for request in requests]
+        self._owed = [sum(it.counts[0] for it in items), sum(it.counts[1] for it in items)]  # direct callers: 0
+        self._refuse_late([it for it in items if it.piece is not None])
+        live = [it for it in items if it.piece is not None]
+        embeddings = self._run([it.piece for it in live]) if live else None
         self._count_out()
-        row = 0  # split
-        for i, piece in enumerate(pieces):
-            if piece is not None:
-                n = piece[0].shape[0]
+        row = 0
+        for it in items:
+            if it.piece is not None:
+                n = it.piece[0].shape[0]
                 out = np.ascontiguousarray(embeddings[row : row + n])
                 row += n
-                _answer(requests[i], pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))()
-            elif i in errors:
-                _answer(requests[i], pb_utils.InferenceResponse(output_tensors=[], error=errors[i]))()
+                _answer(it.request, pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))()
+            elif it.error is not None:
+                error = pb_utils.TritonError(it.error, pb_utils.TritonError.INVALID_ARG)
+                _answer(it.request, pb_utils.InferenceResponse(output_tensors=[], error=error))()
+
+    def _validate(self, request, now_ns: int) -> _Request:
+        """One request read and checked: its tokens, or its INVALID_ARG message; its wait, budget and counts."""
+        stamp = queued_stamp(request)
+        parameters = request_parameters(request.parameters())
+        item = _Request(
+            request,
+            stamp,
+            None if stamp is None else (now_ns - stamp) / 1e6,
+            self._texts_in_flight(queued_rows(request), parameters),
+            own_budget=BUDGET in parameters,
+        )
+        try:
+            item.budget_ms = request_budget_ms(parameters, self.latency_budget_ms)
+            item.piece = read_request(request, self.max_seq_length, self.vocab_size)
+        except (RequestError, BudgetError) as exc:
+            item.error = str(exc)
+        return item
+
+    def _refuse_late(self, live: list[_Request]) -> None:
+        """The wait rule (``overload.shed``): hold the refusal of each request that waited past its budget."""
+        refused = shed([it.waited_ms for it in live], [it.budget_ms for it in live], [it.own_budget for it in live])
+        if not refused:
+            return
+        gone = [sum(live[k].counts[j] for k in refused) for j in (0, 1)]
+        self.in_flight.answered(*gone, idle=False)  # before a refusal falls due: its client may send again at once
+        self._owed = [self._owed[0] - gone[0], self._owed[1] - gone[1]]
+        for k, message in refused.items():
+            error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+            answer = _answer(live[k].request, pb_utils.InferenceResponse(output_tensors=[], error=error))
+            self.refusals.hold(live[k].stamp + self.refusal_hold_ns, answer)
+            live[k].piece = None
+        self._metrics.shed(len(refused))
+
+    def _run(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Merge the requests' tokens into one batch and run it once: ``(rows, dim)`` of the output dtype."""
+        ids, mask = merge_ragged(pieces)
+        self._rows = ids.shape[0]
+        embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
+        if embeddings.shape != (ids.shape[0], self.dim):
+            raise pb_utils.TritonModelException(
+                f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
+                f"[{ids.shape[0]}, {self.dim}]"
+            )
+        return embeddings
+
+
+@dataclass
+class _Request:
+    """One request of an execution, as :meth:`TritonPythonModel._validate` read it.
+
+    Attributes:
+        request: Triton's request.
+        stamp: its ``queued_ns`` (None: a direct caller, never refused or counted).
+        waited_ms: ms since the stamp when the execution began (None without one).
+        counts: (interactive, bulk) texts it counts in flight.
+        own_budget: its budget is its own request parameter.
+        budget_ms: its latency budget, ms (0 = never refused).
+        piece: its (input_ids, attention_mask), int64 ``[n, T]``; None once refused or when invalid.
+        error: its INVALID_ARG message, when invalid.
+    """
+
+    request: object
+    stamp: int | None
+    waited_ms: float | None
+    counts: tuple[int, int]
+    own_budget: bool = False
+    budget_ms: float = 0.0
+    piece: tuple[np.ndarray, np.ndarray] | None = None
+    error: str | None = None
 
 
 def _answer(request, response) -> Callable[[], None]:
