@@ -144,21 +144,31 @@ def test_health_reports_ready(server):
 
 def test_stats_table_has_every_step(server):
     run_cli("embed", "--url", server.grpc_url, "stats warm-up text")
-    before = {r["model"]: r for r in json.loads(run_cli("stats", "--json", "--url", server.grpc_url).stdout)}
+    before = {r["model"]: r for r in json.loads(run_cli("stats", "--json", "--url", server.grpc_url).stdout)["steps"]}
     with pytest.raises(InferenceServerException, match="NUL byte"):  # refused by the tokenizer: a failure
         infer(server.grpc_url, "embed", {"TEXT": text_tensor([b"a NUL \0 byte"])}, ["EMBEDDING"])
-    done = run_cli("stats", "--url", server.http_url, "--protocol", "http")
+    done = run_cli("stats", "--url", server.http_url, "--protocol", "http", "--metrics-url", server.metrics_url)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].split()[:3] == ["model", "successes", "failures"] and "queue" in lines[0] and "infer" in lines[0]
     assert "texts run" in lines[0] and lines[0].endswith("cache hits")  # a cache hit is a success, not a text run
     legend = run_cli("stats", "--help").stdout
     assert "texts run    texts the step computed (a cache hit is not run)" in legend, legend
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    table, _, knobs = done.stdout.partition("\n\n")
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
     assert set(rows) == {"embed", "tokenizer", "encoder"}
     assert all(int(row[1]) > 0 for row in rows.values())  # every step has served requests
     # Triton 2.51 counts it on the ensemble, twice; the tokenizer's own row counts its execution as a success
     assert int(rows["embed"][2]) == before["embed"]["failures"] + 2, done.stdout
-    as_json = json.loads(run_cli("stats", "--json", "--url", server.grpc_url).stdout)
-    encoder = next(r for r in as_json if r["model"] == "encoder")
+    as_json = json.loads(
+        run_cli("stats", "--json", "--url", server.grpc_url, "--metrics-url", server.metrics_url).stdout
+    )
+    encoder = next(r for r in as_json["steps"] if r["model"] == "encoder")
     assert encoder["executions"] <= encoder["inferences"] and encoder["compute_infer_ms"] > 0
+    # the admission knobs in force, from the metrics port, as the encoder measured them on this machine
+    assert knobs.startswith("admission: SLA_MS 200 (pinned), MAX_IN_FLIGHT "), done.stdout
+    door = as_json["admission"]["knobs"]["MAX_IN_FLIGHT"]
+    assert door["source"] == "derived" and door["value"] >= 1
+    assert sorted(map(int, as_json["admission"]["curve_ms"])) == [1, 2, 4, 8, 16, 32, 64]
+    elsewhere = run_cli("stats", "--url", server.grpc_url, "--metrics-url", "http://127.0.0.1:1/metrics")
+    assert elsewhere.returncode == 0 and "admission knobs not read from http://127.0.0.1:1/metrics" in elsewhere.stderr

@@ -144,7 +144,7 @@ def test_the_cli_takes_several_urls_separated_by_commas(servers):
     settled = sum(inferences(s) for s in servers)
     done = run_cli("stats", "--json", "--url", both)
     assert done.returncode == 0, done.stderr
-    embed = next(r for r in json.loads(done.stdout) if r["model"] == "embed")
+    embed = next(r for r in json.loads(done.stdout)["steps"] if r["model"] == "embed")
     assert embed["inferences"] == settled  # the two servers' statistics added up
 
 

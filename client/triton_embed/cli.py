@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import urllib.request
 from importlib.metadata import PackageNotFoundError, version
 
 from triton_embed import server_stats
@@ -85,9 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("a")
     sim.add_argument("b")
     sub.add_parser("health", parents=[common], help="server liveness/readiness and the model's readiness")
-    sub.add_parser(
-        "stats", parents=[common], help="per-step counters and queue/compute times since start",
+    stats = sub.add_parser(
+        "stats", parents=[common], help="per-step counters and queue/compute times since start, the admission knobs",
         epilog=server_stats.LEGEND, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    stats.add_argument(
+        "--metrics-url", default=None,
+        help="Triton's metrics endpoint, for the admission knobs in force (default: port 8002 on --url's host)",
     )  # fmt: skip
     sub.add_parser(
         "gateway", add_help=False, help="serve the OpenAI/TEI embeddings HTTP API in front of Triton (gateway --help)"
@@ -164,6 +169,35 @@ def _embed(client: EmbeddingClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_url(args: argparse.Namespace, client: EmbeddingClient) -> str:
+    """``--metrics-url``, else Triton's default metrics port on the first endpoint's host."""
+    if args.metrics_url:
+        return str(args.metrics_url)
+    host = str(client.urls[0]).split("://")[-1].rsplit(":", 1)[0]
+    return f"http://{host}:8002/metrics"
+
+
+def _stats(client: EmbeddingClient, args: argparse.Namespace) -> int:
+    """``stats``: the per-step table, then the admission knobs from the metrics port (a note when it cannot be read)."""
+    rows = client.server_stats()
+    url = _metrics_url(args, client)
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as answer:  # noqa: S310 - the user's metrics URL
+            knobs: server_stats.Admission | None = server_stats.admission(answer.read().decode())
+        note = ""
+    except (OSError, ValueError) as exc:
+        knobs, note = None, f"admission knobs not read from {url}: {exc} (--metrics-url names the metrics port)"
+    if args.json:
+        print(json.dumps({"steps": [r.as_dict() for r in rows], "admission": knobs.as_dict() if knobs else None}))
+    else:
+        print(server_stats.table(rows))
+        if knobs:
+            print(f"\n{knobs.text()}")
+    if note:
+        print(f"triton-embed: {note}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns 0, 1 on a service error (or ``health`` when the model is not ready), 2 on bad arguments."""
     given = sys.argv[1:] if argv is None else argv
@@ -193,9 +227,7 @@ def _client_command(argv: list[str]) -> int:
                     print(f"triton-embed: {health.error}", file=sys.stderr)
                 return 0 if health.model_ready else 1
             if args.command == "stats":
-                rows = client.server_stats()
-                print(json.dumps([r.as_dict() for r in rows]) if args.json else server_stats.table(rows))
-                return 0
+                return _stats(client, args)
             return _embed(client, args)
     except (EmbeddingError, ValueError) as exc:
         print(f"triton-embed: {type(exc).__name__}: {exc}", file=sys.stderr)

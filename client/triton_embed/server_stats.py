@@ -139,3 +139,61 @@ def table(rows: list[StepStats]) -> str:
             f"{r.cache_hits:>10}"
         )
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The encoder's admission knobs in force and its service curve, from the metrics port's gauges.
+
+    Attributes:
+        knobs: ``{knob: (value, source)}`` from ``triton_embed_admission`` (``SLA_MS``, ``MAX_IN_FLIGHT``,
+            ``BULK_IN_FLIGHT``, ``BULK_TEXTS``, ``FLOOD_LATENCY_MS``; source ``derived`` or ``pinned``).
+        curve_ms: ``{rows: ms}``: predicted time of one execution of that many texts, from
+            ``triton_embed_service_seconds``.
+    """
+
+    knobs: dict[str, tuple[float, str]]
+    curve_ms: dict[int, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        """For JSON: ``{"knobs": {knob: {"value", "source"}}, "curve_ms": {rows: ms}}``."""
+        return {
+            "knobs": {k: {"value": v, "source": s} for k, (v, s) in self.knobs.items()},
+            "curve_ms": self.curve_ms,
+        }
+
+    def text(self) -> str:
+        """Two lines: the knobs with how each was set, and the curve."""
+        knobs = ", ".join(f"{k} {v:g} ({s})" for k, (v, s) in self.knobs.items())
+        curve = ", ".join(f"{rows} in {ms:.1f} ms" for rows, ms in sorted(self.curve_ms.items()))
+        return f"admission: {knobs}\nservice curve (one execution): {curve}"
+
+
+def _labels(series: str) -> dict[str, str]:
+    """``{name: value}`` of a Prometheus series' labels (``name{a="1",b="2"}``)."""
+    inside = series.partition("{")[2].rpartition("}")[0]
+    pairs = (item.split("=", 1) for item in inside.split(",") if "=" in item)
+    return {k.strip(): v.strip().strip('"') for k, v in pairs}
+
+
+def admission(metrics_text: str, model: str = "encoder") -> Admission:
+    """:class:`Admission` of ``model`` from the text of Triton's metrics endpoint (Prometheus exposition format).
+
+    Raises:
+        ValueError: the text holds no ``triton_embed_admission`` gauge of ``model`` (not this server's metrics port,
+            or an encoder not on the project's backend).
+    """
+    knobs: dict[str, tuple[float, str]] = {}
+    curve: dict[int, float] = {}
+    for line in metrics_text.splitlines():
+        series, _, value = line.rpartition(" ")
+        labels = _labels(series)
+        if labels.get("model") != model:
+            continue
+        if series.startswith("triton_embed_admission{"):
+            knobs[labels["knob"]] = (float(value), labels.get("source", "?"))
+        elif series.startswith("triton_embed_service_seconds{"):
+            curve[int(labels["rows"])] = float(value) * 1000
+    if not knobs:
+        raise ValueError(f"no triton_embed_admission gauge of model {model!r} in the metrics")
+    return Admission(knobs, curve)

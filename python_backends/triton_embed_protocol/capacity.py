@@ -239,7 +239,7 @@ class Admission:
         self._bulk = pinned(parameters, "BULK_IN_FLIGHT", AUTO)
         flood = pinned(parameters, "FLOOD_LATENCY_MS", AUTO, integer=False)
         self.flood_latency_ms = self.sla_ms / 2 if flood is None else flood
-        self._how = {"SLA_MS": "the p99 target", "FLOOD_LATENCY_MS": "half of SLA_MS" if flood is None else "pinned"}
+        self._how = {"SLA_MS": "pinned", "FLOOD_LATENCY_MS": "half of SLA_MS" if flood is None else "pinned"}
         self._load_door = 0
         self._load_door = self._door_and_lane()[0]
         texts = pinned(parameters, "BULK_TEXTS", AUTO)
