@@ -40,7 +40,7 @@ CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
 
-.PHONY: install peers client-test model reference-model serve test unit lint typecheck bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install peers client-test model reference-model serve test unit lint typecheck tune bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -139,6 +139,12 @@ clean:
 # gateway), then tracing's cost through the gateway: off, following load, every request (bench/tracing.py); ~10 min.
 bench: reference-model peers
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# A capacity search on this machine, model and texts (CORPUS=file, one text a line; default STS-B): the encoder's
+# instances x threads and the batcher's queue delay, each served and swept; the best is written into
+# model_repository/encoder/config.pbtxt with the figures beside it (bench/tune.py); ~2 min a candidate.
+tune: model
+	$(PY) -m bench.tune $(if $(CORPUS),--corpus "$(CORPUS)") $(TUNE_ARGS)
 
 # The exported encoder's variants in process beside sentence-transformers (bench/encoder.py); ~4 min.
 bench-encoder: install

@@ -1,0 +1,63 @@
+"""``make tune`` (bench/tune.py): it serves each candidate, measures it, and writes the best into the config, which
+then serves. A tiny model, two candidates and short levels keep it to seconds."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from helpers import infer, text_tensor
+from small_models import repository_for, small_sentence_transformer
+from triton_embed_server.embedded import EmbeddedServer
+
+from bench.tune import MARK, Candidate, best, candidates, set_encoder
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_the_candidates_split_the_cores_and_the_best_is_the_fastest_within_the_target():
+    assert candidates(2, [1, 2, 3], [0, 2000]) == [
+        Candidate(1, 2, 0), Candidate(1, 2, 2000), Candidate(2, 1, 0), Candidate(2, 1, 2000)
+    ]  # fmt: skip
+    assert candidates(1, [2], [0]) == [Candidate(1, 1, 0)]
+    rows = [(8, 100.0, 90.0), (16, 150.0, 180.0), (32, 160.0, 260.0)]
+    assert best(rows, 200).throughput == 150.0 and best(rows, 50) is None
+
+
+def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment():
+    shipped = (ROOT / "model_repository" / "encoder" / "config.pbtxt").read_text()
+    once = set_encoder(shipped, Candidate(2, 1, 2000), ["first run", "chosen: 2 x 1"])
+    twice = set_encoder(once, Candidate(1, 2, 0), ["second run"])
+    assert "count: 2" in once and 'string_value: "1" }' in once and "max_queue_delay_microseconds: 2000" in once
+    assert f"{MARK} first run\n{MARK} chosen: 2 x 1\ndynamic_batching {{" in once
+    assert "first run" not in twice and f"{MARK} second run\ndynamic_batching {{" in twice
+    assert "count: 1" in twice and "max_queue_delay_microseconds: 0" in twice
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores for two candidates")
+def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_path):
+    model = small_sentence_transformer(tmp_path / "st", 32)
+    repo = repository_for(model, tmp_path / "repo")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"a user's own sentence number {i}\n" for i in range(500)))
+    run = subprocess.run(  # noqa: S603 - our own module
+        [sys.executable, "-m", "bench.tune", "--repository", str(repo), "--corpus", str(corpus), "--tool", "client",
+         "--levels", "4,8", "--seconds", "2", "--instances", "1,2", "--delays-us", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    table = {m[0]: float(m[1]) for m in re.findall(r"  (\d x \d threads, delay 0 us): (\d+) req/s", run.stdout)}
+    assert set(table) == {"1 x 2 threads, delay 0 us", "2 x 1 threads, delay 0 us"}, run.stdout
+    chosen = max(table, key=table.get)
+    config = (repo / "encoder" / "config.pbtxt").read_text()
+    assert f"{MARK} chosen: {chosen}" in config
+    instances, threads = int(chosen[0]), int(chosen[4])
+    assert re.search(rf"instance_group \[\s*\{{\s*count: {instances}", config)
+    assert re.search(rf'key: "TORCH_NUM_THREADS"\s*value: {{ string_value: "{threads}" }}', config)
+    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                        log_file=tmp_path / "log") as server:  # fmt: skip
+        served = infer(server.grpc_url, "embed", {"TEXT": text_tensor(["served by the tuned config"])}, ["EMBEDDING"])
+    assert served["EMBEDDING"].shape == (1, 32)
