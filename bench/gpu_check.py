@@ -493,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
             left = limits[phase] - (time.monotonic() - start) - 20
             result.update(gpu_steps.run_sweep(server.http_url, texts_file, plan, timeout_s=max(10.0, left)))
             result["batches"] = gpu_steps.encoder_batches(server.http_url)
+            result["admission"] = gpu_steps.admission(server.metrics_url)
         finally:
             result["exit_code"] = server.stop()
             if log.is_file():

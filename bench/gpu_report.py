@@ -139,6 +139,16 @@ def markdown(data: dict) -> str:
             f"| {lv['errors']} |"
             for lv in served["levels"]
         ]
+    knobs = (served.get("admission") or {}).get("knobs") or {}
+    if knobs:
+        curve = (served.get("admission") or {}).get("curve_ms") or {}
+        lines += [
+            "",
+            "Admission measured on this device: "
+            + ", ".join(f"{k} {v['value']:g} ({v['source']})" for k, v in knobs.items())
+            + "; service curve: "
+            + ", ".join(f"{rows} in {ms:.2f} ms" for rows, ms in curve.items()),
+        ]
     runner = data.get("runner") or {}
     if runner.get("load_log"):
         lines += ["", "Runner load: " + "; ".join(runner["load_log"])]

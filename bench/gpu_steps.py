@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT / "python_backends" / "torchscript", ROOT / "server"):
+for _path in (ROOT / "python_backends" / "torchscript", ROOT / "python_backends", ROOT / "server"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -403,6 +403,24 @@ def run_sweep(url: str, texts_file: Path, plan, timeout_s: float) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"load generator exited {done.returncode}: {done.stderr[-2000:]}")
     return json.loads(done.stdout)
+
+
+def admission(metrics_url: str) -> dict:
+    """The door the encoder measured on this device and its service curve (``triton_embed_admission`` gauges).
+
+    Returns:
+        ``{"knobs": {knob: {"value", "source"}}, "curve_ms": {rows: ms}}``, as ``triton-embed stats --json``.
+    """
+    import urllib.request
+
+    from triton_embed_protocol.capacity import read_gauges
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:  # noqa: S310 - the server this check started
+        knobs, curve = read_gauges(answer.read().decode())
+    return {
+        "knobs": {k: {"value": v, "source": source} for k, (v, source) in knobs.items()},
+        "curve_ms": {rows: seconds * 1000 for rows, seconds in sorted(curve.items())},
+    }
 
 
 def encoder_batches(url: str) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from triton_embed_protocol.capacity import KNOB_GAUGE, read_gauges
+
 STEPS = ("embed", "tokenizer", "encoder")
 _DURATIONS = ("queue", "compute_input", "compute_infer", "compute_output")
 
@@ -169,13 +171,6 @@ class Admission:
         return f"admission: {knobs}\nservice curve (one execution): {curve}"
 
 
-def _labels(series: str) -> dict[str, str]:
-    """``{name: value}`` of a Prometheus series' labels (``name{a="1",b="2"}``)."""
-    inside = series.partition("{")[2].rpartition("}")[0]
-    pairs = (item.split("=", 1) for item in inside.split(",") if "=" in item)
-    return {k.strip(): v.strip().strip('"') for k, v in pairs}
-
-
 def admission(metrics_text: str, model: str = "encoder") -> Admission:
     """:class:`Admission` of ``model`` from the text of Triton's metrics endpoint (Prometheus exposition format).
 
@@ -183,17 +178,7 @@ def admission(metrics_text: str, model: str = "encoder") -> Admission:
         ValueError: the text holds no ``triton_embed_admission`` gauge of ``model`` (not this server's metrics port,
             or an encoder not on the project's backend).
     """
-    knobs: dict[str, tuple[float, str]] = {}
-    curve: dict[int, float] = {}
-    for line in metrics_text.splitlines():
-        series, _, value = line.rpartition(" ")
-        labels = _labels(series)
-        if labels.get("model") != model:
-            continue
-        if series.startswith("triton_embed_admission{"):
-            knobs[labels["knob"]] = (float(value), labels.get("source", "?"))
-        elif series.startswith("triton_embed_service_seconds{"):
-            curve[int(labels["rows"])] = float(value) * 1000
+    knobs, curve = read_gauges(metrics_text, model)
     if not knobs:
-        raise ValueError(f"no triton_embed_admission gauge of model {model!r} in the metrics")
-    return Admission(knobs, curve)
+        raise ValueError(f"no {KNOB_GAUGE} gauge of model {model!r} in the metrics")
+    return Admission(knobs, {rows: seconds * 1000 for rows, seconds in curve.items()})

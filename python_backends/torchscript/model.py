@@ -56,7 +56,15 @@ from triton_embed_protocol import (
     config_parameters,
     request_parameters,
 )
-from triton_embed_protocol.capacity import REF_TOKENS, Admission, Limits, ServiceCurve, grid
+from triton_embed_protocol.capacity import (
+    CURVE_GAUGE,
+    KNOB_GAUGE,
+    REF_TOKENS,
+    Admission,
+    Limits,
+    ServiceCurve,
+    grid,
+)
 from triton_embed_protocol.metric_lifetime import keep
 from triton_embed_protocol.overload import (
     METRIC,
@@ -425,13 +433,13 @@ class _BucketMetrics:
         self._shed = pb_utils.MetricFamily(name=METRIC, description=METRIC_HELP, kind=counter)
         gauge = pb_utils.MetricFamily.GAUGE
         self._knobs = pb_utils.MetricFamily(
-            name="triton_embed_admission",
+            name=KNOB_GAUGE,
             description="Admission knobs in force (docs/overload.md): SLA_MS, MAX_IN_FLIGHT, BULK_IN_FLIGHT, "
             "BULK_TEXTS, FLOOD_LATENCY_MS; how=pinned, or what it was derived from",
             kind=gauge,
         )
         self._curve = pb_utils.MetricFamily(
-            name="triton_embed_service_seconds",
+            name=CURVE_GAUGE,
             description="The encoder's service curve: predicted seconds of one execution by its rows (measured at "
             "load, then the executions served)",
             kind=gauge,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 AUTO = "auto"
@@ -143,7 +144,7 @@ def time_in_service(curve: ServiceCurve, texts: int, table: list[tuple[int, floa
     return curve.seconds(batch, table) * (1 + math.ceil(texts / batch))
 
 
-def largest_within(predict, budget_s: float, high: int) -> int:
+def largest_within(predict: Callable[[int], float], budget_s: float, high: int) -> int:
     """The largest ``n`` in ``[1, high]`` with ``predict(n) <= budget_s`` (``predict`` never falls); at least 1."""
     low = 1
     if predict(high) <= budget_s:
@@ -274,3 +275,31 @@ class Admission:
         """The knobs in force now (``time.monotonic()``; None: read it), from the curve as it stands."""
         door, bulk, how = self._door_and_lane(now)
         return Limits(self.sla_ms, door, bulk, self.bulk_texts, self.flood_latency_ms, {**self._how, **how})
+
+
+KNOB_GAUGE = "triton_embed_admission"
+"""The encoder's gauge of each knob in force, labelled ``model``, ``knob`` and ``source`` (pinned or derived)."""
+CURVE_GAUGE = "triton_embed_service_seconds"
+"""The encoder's gauge of its service curve, labelled ``model`` and ``rows``: seconds of one execution."""
+
+
+def read_gauges(metrics_text: str, model: str = "encoder") -> tuple[dict[str, tuple[float, str]], dict[int, float]]:
+    """The knobs and the curve of ``model`` from the text of Triton's metrics endpoint (Prometheus exposition).
+
+    Returns:
+        ``({knob: (value, source)}, {rows: seconds})``; both empty when the text holds none of ``model``'s gauges.
+    """
+    knobs: dict[str, tuple[float, str]] = {}
+    curve: dict[int, float] = {}
+    for line in metrics_text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name, _, inside = series.partition("{")
+        pairs = (item.split("=", 1) for item in inside.rstrip("}").split(",") if "=" in item)
+        labels = {k.strip(): v.strip().strip('"') for k, v in pairs}
+        if labels.get("model") != model:
+            continue
+        if name == KNOB_GAUGE:
+            knobs[labels["knob"]] = (float(value), labels.get("source", "?"))
+        elif name == CURVE_GAUGE:
+            curve[int(labels["rows"])] = float(value)
+    return knobs, curve
