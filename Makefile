@@ -141,7 +141,7 @@ bench: reference-model peers
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 # A capacity search on this machine, model and texts (CORPUS=file, one text a line; default STS-B): the encoder's
-# instances x threads and the batcher's queue delay, each served and swept; the best is written into
+# instances x threads, the batcher's queue delay and the bucket grid, each served and swept; the best is written into
 # model_repository/encoder/config.pbtxt with the figures beside it (bench/tune.py); ~2 min a candidate.
 tune: model
 	$(PY) -m bench.tune $(if $(CORPUS),--corpus "$(CORPUS)") $(TUNE_ARGS)

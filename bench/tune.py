@@ -2,13 +2,15 @@
 
 The encoder measures what it can at load (its service curve, and from it the door and the bulk lane:
 docs/overload.md). What a running server cannot change about itself is searched here: the encoder's instance count
-and torch threads per instance (their product the cores the server may use), and the dynamic batcher's queue delay.
-Each candidate is served from a copy of the model repository, with the door and the lane off so that the sweep sees
-the machine's own curve, and swept in a closed loop of one-text requests (texts never sent before); its figure is the
-best throughput whose p99 stays within ``--sla-ms``. perf_analyzer measures where it is installed (``PERF_ANALYZER``,
-else ``../shared/tools/perf-analyzer``), the bench client (``bench/loadgen.py``) otherwise or with
-``--tool client``. The best candidate's values are written into ``<repository>/encoder/config.pbtxt`` (instance
-``count``, ``TORCH_NUM_THREADS``, ``max_queue_delay_microseconds``) with the table of figures as a comment beside them.
+and torch threads per instance (their product the cores the server may use), the dynamic batcher's queue delay, and
+the length bucket grid (x1.5 or x2 steps). Each candidate is served from a copy of the model repository, with the
+door and the lane off so that the sweep sees the machine's own curve, and swept in a closed loop of one-text requests
+(texts never sent before); its figure is the best throughput whose p99 stays within ``--sla-ms``. perf_analyzer
+measures where it is installed (``PERF_ANALYZER``, else ``../shared/tools/perf-analyzer``), the bench client
+(``bench/loadgen.py``) otherwise or with ``--tool client``. The best candidate's values are written into
+``<repository>/encoder/config.pbtxt`` (instance ``count``, ``TORCH_NUM_THREADS``, ``max_queue_delay_microseconds``,
+the ``graph_spec`` lengths) with the table of figures as a comment beside them; a later re-export (``make model``
+after the model changed) writes the x1.5 grid again.
 
     make tune                                # STS-B sentences; CORPUS=file.txt for your own, one text a line
     python -m bench.tune --tool client --levels 4,8,16 --seconds 5 --dry-run
@@ -38,15 +40,19 @@ class Candidate:
         instances: the instance group's ``count``.
         threads: ``TORCH_NUM_THREADS`` per instance.
         delay_us: the dynamic batcher's ``max_queue_delay_microseconds``.
+        half_steps: the length buckets in x1.5 steps (8, 16, 24, 32, 48, ...; as ``make model`` writes them), or
+            powers of two only (8, 16, 32, ...).
     """
 
     instances: int
     threads: int
     delay_us: int
+    half_steps: bool = True
 
     def label(self) -> str:
-        """``2 x 1 threads, delay 0 us``."""
-        return f"{self.instances} x {self.threads} threads, delay {self.delay_us} us"
+        """``2 x 1 threads, delay 0 us, buckets x1.5``."""
+        grid = "x1.5" if self.half_steps else "x2"
+        return f"{self.instances} x {self.threads} threads, delay {self.delay_us} us, buckets {grid}"
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,21 @@ class Figure:
     concurrency: int
 
 
-def candidates(cores: int, instances: list[int], delays_us: list[int]) -> list[Candidate]:
-    """Every instance count in ``instances`` that divides ``cores`` (threads = cores / count), at every delay."""
+def candidates(
+    cores: int, instances: list[int], delays_us: list[int], grids: tuple[bool, ...] = (True,)
+) -> list[Candidate]:
+    """Every instance count in ``instances`` that divides ``cores`` (threads = cores / count), at every delay and grid.
+
+    ``grids``: ``half_steps`` values to try (:class:`Candidate`).
+    """
     counts = [n for n in instances if 1 <= n <= cores and cores % n == 0] or [1]
-    return [Candidate(n, cores // n, delay) for n in counts for delay in delays_us]
+    return [Candidate(n, cores // n, delay, half) for n in counts for delay in delays_us for half in grids]
 
 
-def set_encoder(text: str, candidate: Candidate, comment: list[str] | None = None) -> str:
+def set_encoder(text: str, candidate: Candidate, max_seq_length: int, comment: list[str] | None = None) -> str:
     """The encoder's config text with ``candidate``'s values (and ``comment`` lines above the dynamic batcher).
+
+    ``max_seq_length``: the exported model's, the last bucket length.
 
     Raises:
         ValueError: the config lacks one of the values (one instance group ``count``, ``TORCH_NUM_THREADS``,
@@ -80,6 +93,9 @@ def set_encoder(text: str, candidate: Candidate, comment: list[str] | None = Non
         text, n = re.subn(pattern, replacement, text, flags=re.S)
         if n != 1:
             raise ValueError(f"the encoder's config has {n} matches of {pattern!r}; expected one")
+    from triton_embed_server.export import set_bucket_lengths
+
+    text = set_bucket_lengths(text, max_seq_length, half_steps=candidate.half_steps)
     if comment is not None:
         text = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(MARK))
         block = "".join(f"{MARK} {line}\n" if line else f"{MARK}\n" for line in comment)
@@ -94,8 +110,19 @@ def candidate_repository(dst: Path, candidate: Candidate, source: Path) -> Path:
     knobs = {("encoder", "MAX_IN_FLIGHT"): "0", ("encoder", "BULK_IN_FLIGHT"): "0"}
     repo = variant_repository(dst, None, knobs=knobs, source=source)
     config = repo / "encoder" / "config.pbtxt"
-    config.write_text(set_encoder(config.read_text(), candidate))
+    config.write_text(set_encoder(config.read_text(), candidate, max_seq_length(source)))
     return repo
+
+
+def max_seq_length(repository: Path) -> int:
+    """The exported encoder's ``max_seq_length`` (its ``1/export.json``; ``make model`` writes it).
+
+    Raises:
+        FileNotFoundError: the repository holds no exported encoder.
+    """
+    import json
+
+    return int(json.loads((repository / "encoder" / "1" / "export.json").read_text())["max_seq_length"])
 
 
 def perf_analyzer_path() -> Path | None:
@@ -152,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per level (bench client)")
     parser.add_argument("--instances", default="1,2", help="instance counts to try (each must divide the cores)")
     parser.add_argument("--delays-us", default="0,2000", help="dynamic batcher queue delays to try, microseconds")
+    parser.add_argument("--buckets", default="x1.5,x2", help="length bucket grids to try: x1.5 and/or x2 steps")
     parser.add_argument("--sla-ms", type=float, default=200.0, help="the p99 target, ms")
     parser.add_argument("--tool", choices=("auto", "perf_analyzer", "client"), default="auto")
     parser.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
@@ -166,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if tool == "auto":
         tool = "perf_analyzer" if perf_analyzer_path() else "client"
     levels = [int(x) for x in args.levels.split(",")]
-    tried = candidates(cores, [int(x) for x in args.instances.split(",")], [int(x) for x in args.delays_us.split(",")])
+    grids = tuple(dict.fromkeys(step.strip() == "x1.5" for step in args.buckets.split(",")))
+    tried = candidates(
+        cores, [int(x) for x in args.instances.split(",")], [int(x) for x in args.delays_us.split(",")], grids
+    )
     print(f"make tune: {len(tried)} candidates on {cores} cores, {tool}, p99 target {args.sla_ms:g} ms", flush=True)
     figures: dict[Candidate, Figure | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chosen: {chosen.label()}")
     if not args.dry_run:
         config = args.repository / "encoder" / "config.pbtxt"
-        config.write_text(set_encoder(config.read_text(), chosen, [*lines, f"chosen: {chosen.label()}"]))
+        comment = [*lines, f"chosen: {chosen.label()}"]
+        config.write_text(set_encoder(config.read_text(), chosen, max_seq_length(args.repository), comment))
         print(f"written: {config}")
     return 0
 

@@ -22,6 +22,7 @@ def test_the_candidates_split_the_cores_and_the_best_is_the_fastest_within_the_t
     assert candidates(2, [1, 2, 3], [0, 2000]) == [
         Candidate(1, 2, 0), Candidate(1, 2, 2000), Candidate(2, 1, 0), Candidate(2, 1, 2000)
     ]  # fmt: skip
+    assert candidates(2, [1], [0], (True, False)) == [Candidate(1, 2, 0, True), Candidate(1, 2, 0, False)]
     assert candidates(1, [2], [0]) == [Candidate(1, 1, 0)]
     rows = [(8, 100.0, 90.0), (16, 150.0, 180.0), (32, 160.0, 260.0)]
     assert best(rows, 200).throughput == 150.0 and best(rows, 50) is None
@@ -29,8 +30,10 @@ def test_the_candidates_split_the_cores_and_the_best_is_the_fastest_within_the_t
 
 def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment():
     shipped = (ROOT / "model_repository" / "encoder" / "config.pbtxt").read_text()
-    once = set_encoder(shipped, Candidate(2, 1, 2000), ["first run", "chosen: 2 x 1"])
-    twice = set_encoder(once, Candidate(1, 2, 0), ["second run"])
+    once = set_encoder(shipped, Candidate(2, 1, 2000, half_steps=False), 256, ["first run", "chosen: 2 x 1"])
+    twice = set_encoder(once, Candidate(1, 2, 0), 256, ["second run"])
+    lengths = [int(n) for n in re.findall(r"dim: \[ (\d+) \]", once)]
+    assert lengths == [8, 16, 32, 64, 128, 256] and "dim: [ 24 ]" in twice and "dim: [ 192 ]" in twice
     assert "count: 2" in once and 'string_value: "1" }' in once and "max_queue_delay_microseconds: 2000" in once
     assert f"{MARK} first run\n{MARK} chosen: 2 x 1\ndynamic_batching {{" in once
     assert "first run" not in twice and f"{MARK} second run\ndynamic_batching {{" in twice
@@ -45,12 +48,16 @@ def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_pa
     corpus.write_text("".join(f"a user's own sentence number {i}\n" for i in range(500)))
     run = subprocess.run(  # noqa: S603 - our own module
         [sys.executable, "-m", "bench.tune", "--repository", str(repo), "--corpus", str(corpus), "--tool", "client",
-         "--levels", "4,8", "--seconds", "2", "--instances", "1,2", "--delays-us", "0"],
+         "--levels", "4,8", "--seconds", "2", "--instances", "1,2", "--delays-us", "0", "--buckets", "x1.5"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    table = {m[0]: float(m[1]) for m in re.findall(r"  (\d x \d threads, delay 0 us): (\d+) req/s", run.stdout)}
-    assert set(table) == {"1 x 2 threads, delay 0 us", "2 x 1 threads, delay 0 us"}, run.stdout
+    table = {
+        m[0]: float(m[1]) for m in re.findall(r"  (\d x \d threads, delay 0 us, buckets x1.5): (\d+) req/s", run.stdout)
+    }
+    assert set(table) == {"1 x 2 threads, delay 0 us, buckets x1.5", "2 x 1 threads, delay 0 us, buckets x1.5"}, (
+        run.stdout
+    )
     chosen = max(table, key=table.get)
     config = (repo / "encoder" / "config.pbtxt").read_text()
     assert f"{MARK} chosen: {chosen}" in config

@@ -204,10 +204,10 @@ _BUCKET_ENTRY = re.compile(
 _BUCKET_BLOCK = re.compile(rf"(?:{_BUCKET_ENTRY.pattern})+")
 
 
-def _bucket_block(block: str, max_seq_length: int) -> str:
+def _bucket_block(block: str, max_seq_length: int, *, half_steps: bool = True) -> str:
     """A ``graph_spec`` list of one batch size (the CPU config's), rewritten to ``bucket_lengths(max_seq_length)``.
 
-    A list of several batch sizes (a user's own grid) is kept as it is.
+    A list of several batch sizes (a user's own grid) is kept as it is. ``half_steps``: as ``bucket_lengths`` takes.
     """
     entries = list(_BUCKET_ENTRY.finditer(block))
     if len({e["batch"] for e in entries}) != 1:
@@ -215,9 +215,18 @@ def _bucket_block(block: str, max_seq_length: int) -> str:
     indent, batch = entries[0]["indent"], entries[0]["batch"]
     lines = [
         f'{indent}{{ batch_size: {batch} input {{ key: "input_ids" value: {{ dim: [ {length} ] }} }} }}'
-        for length in _buckets_module().bucket_lengths(max_seq_length)
+        for length in _buckets_module().bucket_lengths(max_seq_length, half_steps=half_steps)
     ]
     return ",\n".join(lines) + "\n"
+
+
+def set_bucket_lengths(text: str, max_seq_length: int, *, half_steps: bool = True) -> str:
+    """A config's text with its one-batch-size ``graph_spec`` list set to ``bucket_lengths(max_seq_length)``.
+
+    ``half_steps`` False: powers of two only (8, 16, 32, ...), fewer buckets and more padding (``make tune`` tries
+    both). A list of several batch sizes is kept as it is.
+    """
+    return _BUCKET_BLOCK.sub(lambda m: _bucket_block(m[0], max_seq_length, half_steps=half_steps), text)
 
 
 def set_config_dims(
@@ -243,7 +252,7 @@ def set_config_dims(
         new = pattern.sub(rf"dims: [ {dim} ]\1", text)
         if max_seq_length is not None:
             new = limit.sub(rf'string_value: "{max_seq_length}" }}\1', new)
-            new = _BUCKET_BLOCK.sub(lambda m: _bucket_block(m[0], max_seq_length), new)
+            new = set_bucket_lengths(new, max_seq_length)
         if precision is not None:
             new = served_at.sub(rf'string_value: "{precision}" }}\1', new)
         if new != text:
