@@ -334,10 +334,80 @@ def triton_system(
                 levels_out, extra["response_bytes"] = gateway_system(srv.grpc_url, texts, levels, duration, sla)
             else:
                 levels_out = sweep(make_sender, texts, levels=levels, duration_s=duration, sla_ms=sla)
+            extra["door"] = door(srv.metrics_url)
             stats = grpcclient.InferenceServerClient(srv.grpc_url).get_inference_statistics("encoder", as_json=True)
             enc = stats["model_stats"][0]
             avg_batch = int(enc.get("inference_count", 0)) / max(1, int(enc.get("execution_count", 0)))
             return levels_out, avg_batch, extra
+
+
+def door(metrics_url: str) -> float | None:
+    """The door the encoder measured, as it stands (the gauge ``triton_embed_admission``); None without the gauge."""
+    import urllib.request
+
+    from triton_embed_protocol.capacity import read_gauges
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:  # noqa: S310 - a server this run started
+        knobs, _ = read_gauges(answer.read().decode())
+    return knobs["MAX_IN_FLIGHT"][0] if "MAX_IN_FLIGHT" in knobs else None
+
+
+def perf_analyzer_sweep(texts: list[str], levels: list[int], precision: str = "auto") -> dict:
+    """perf_analyzer's closed loop on the default model (``PRECISION=auto``), one level after another.
+
+    It stops at the first refusal, so the levels it completes are those the door admits whole. Each level gets
+    texts of its own (the response cache is off too). Returns ``{"levels": [{concurrency, throughput, p99_ms,
+    error}], "door": texts at the end}``; ``{}`` where perf_analyzer is not installed.
+    """
+    from triton_embed_server.embedded import EmbeddedServer
+
+    from bench.overload import perf_analyzer_level
+    from bench.perf_data import perf_analyzer_data
+    from bench.tune import perf_analyzer_path
+
+    if perf_analyzer_path() is None:
+        return {}
+    out: dict = {"levels": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = variant_repository(Path(tmp) / "repo", None, precision=precision)
+        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                            log_file=Path(tmp) / "tritonserver.log") as srv:  # fmt: skip
+            port = int(srv.grpc_url.rsplit(":", 1)[1])
+            for k, concurrency in enumerate(levels):
+                data = Path(tmp) / f"texts-{k}.json"
+                tagged = [f"{texts[i % len(texts)]} pa{k}-{i}" for i in range(20_000)]
+                data.write_text(json.dumps(perf_analyzer_data(tagged)))
+                level = perf_analyzer_level(port, data, concurrency, budget_off=False)
+                out["levels"].append(asdict(level))
+                print(f"  perf_analyzer {concurrency}: {level.throughput:.0f} infer/s, p99 {level.p99_ms:.0f} ms "
+                      f"{level.error[:120]}", flush=True)  # fmt: skip
+                if level.error:
+                    break
+            out["door"] = door(srv.metrics_url)
+    return out
+
+
+def admission_lines(results: dict, ceiling: dict) -> list[str]:
+    """The measured door: best throughput at p99 <= 100 ms too, the door each server ended at, perf_analyzer's sweep."""
+    lines = []
+    for name, data in results["systems"].items():
+        if data.get("door") is None:
+            continue
+        fast = best_under_sla([Level(**lv) for lv in data["levels"]], 100.0)
+        at_100 = (
+            f"{fast.throughput:.0f} req/s ({fast.throughput / ceiling['throughput']:.2f}x ceiling)" if fast else "none"
+        )
+        lines.append(f"\n{name}: at p99 <= 100 ms {at_100}; the door it measured stood at {data['door']:g} texts.")
+    sweep_pa = results.get("perf_analyzer") or {}
+    if sweep_pa.get("levels"):
+        done = [lv for lv in sweep_pa["levels"] if not lv["error"]]
+        cells = ", ".join(
+            f"{lv['concurrency']}: {lv['throughput']:.0f} infer/s, p99 {lv['p99_ms']:.0f} ms" for lv in done
+        )
+        stopped = next((lv for lv in sweep_pa["levels"] if lv["error"]), None)
+        end = f"; stopped at {stopped['concurrency']}: {stopped['error'][:90]}" if stopped else ""
+        lines.append(f"\nperf_analyzer on the default model (PRECISION=auto), closed loop: {cells or 'no level'}{end}.")
+    return lines
 
 
 def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace) -> str:
@@ -375,6 +445,7 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
         if failed:  # a level with errors never counts as the best, so the table above does not show them
             lines.append(f"\n{name}: requests failed ({', '.join(failed)}); those levels were not eligible.")
     lines += gateway_lines(results["systems"])
+    lines += admission_lines(results, ceiling)
     if PEER in results["systems"]:
         peer = results["systems"][PEER]
         lines.append(
@@ -438,6 +509,20 @@ def plot(results: dict, sla: float, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def after_the_systems(results: dict, texts: list[str], args: argparse.Namespace) -> None:
+    """perf_analyzer on the default model (``--pa-levels``), then tracing's cost (``--tracing-rounds``)."""
+    pa_levels = [int(x) for x in args.pa_levels.split(",") if x]
+    if pa_levels:
+        print("perf_analyzer on the default model ...", flush=True)
+        results["perf_analyzer"] = perf_analyzer_sweep(texts, pa_levels)
+    if args.tracing_rounds > 0:
+        from bench.tracing import measure
+
+        print("tracing off / following load / every request ...", flush=True)
+        warmup = min(3.0, args.duration)
+        results["tracing"] = measure(texts, args.tracing_concurrency, args.tracing_rounds, args.duration, warmup)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every system and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -449,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracing-rounds", type=int, default=3, help="rounds per tracing setting (0: none)")
     parser.add_argument("--tracing-concurrency", type=int, default=16, help="callers in the tracing rounds")
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
+    parser.add_argument("--pa-levels", default="16,24,32,40,48,64",
+                        help="perf_analyzer's levels on the default model where installed ('': none)")  # fmt: skip
     args = parser.parse_args(argv)
 
     try:
@@ -499,12 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             **extra,
         }
 
-    if args.tracing_rounds > 0:
-        from bench.tracing import measure
-
-        print("tracing off / following load / every request ...", flush=True)
-        warmup = min(3.0, args.duration)
-        results["tracing"] = measure(texts, args.tracing_concurrency, args.tracing_rounds, args.duration, warmup)
+    after_the_systems(results, texts, args)
 
     out = args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
