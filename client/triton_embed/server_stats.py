@@ -166,7 +166,9 @@ class Admission:
 
     def text(self) -> str:
         """Two lines: the knobs with how each was set, and the curve."""
-        knobs = ", ".join(f"{k} {v:g} ({s})" for k, (v, s) in self.knobs.items())
+        order = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS")
+        named = sorted(self.knobs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+        knobs = ", ".join(f"{k} {v:g} ({s})" for k, (v, s) in named)
         curve = ", ".join(f"{rows} in {ms:.1f} ms" for rows, ms in sorted(self.curve_ms.items()))
         return f"admission: {knobs}\nservice curve (one execution): {curve}"
 

@@ -82,7 +82,10 @@ class ServiceCurve:
             raise ValueError(f"the load-time timings must be positive seconds by rows; got {warm_s!r}")
         self.max_batch = max(1, max_batch)
         self.points = grid(self.max_batch)
-        self.warm = [_interpolate(sorted(warm_s.items()), rows) for rows in self.points]
+        warm = [_interpolate(sorted(warm_s.items()), rows) for rows in self.points]
+        for i in range(len(warm) - 2, -1, -1):  # fewer rows never take longer: a stalled small timing is clipped
+            warm[i] = min(warm[i], warm[i + 1])
+        self.warm = _bounded(list(zip(self.points, warm, strict=True)))
         self.served: list[deque[tuple[float, float]]] = [deque(maxlen=SAMPLES) for _ in self.points]
 
     def observe(self, rows: int, seconds: float, now: float | None = None) -> None:
@@ -103,22 +106,35 @@ class ServiceCurve:
             recent = sorted(s for t, s in samples if now - t <= WINDOW_S)
             if len(recent) >= MIN_SAMPLES:
                 medians[i] = recent[len(recent) // 2]
-        out, floor = [], 0.0
-        for i, (rows, warm) in enumerate(zip(self.points, self.warm, strict=True)):
+        values = []
+        for i, warm in enumerate(self.warm):
             if i in medians:
-                value = medians[i]
+                values.append(medians[i])
             elif medians:
                 near = min(medians, key=lambda j: abs(j - i))
-                value = max(warm * 0.25, warm + medians[near] - self.warm[near])
+                values.append(max(warm * 0.25, warm + medians[near] - self.warm[near]))
             else:
-                value = warm
-            floor = max(floor, value)
-            out.append((rows, floor))
-        return out
+                values.append(warm)
+        return list(zip(self.points, _bounded(list(zip(self.points, values, strict=True))), strict=True))
 
     def seconds(self, rows: int, table: list[tuple[int, float]] | None = None) -> float:
         """Predicted seconds of one execution of ``rows`` texts, interpolated on ``table`` (None: :meth:`table`)."""
         return _interpolate(table or self.table(), rows)
+
+
+def _bounded(points: list[tuple[int, float]]) -> list[float]:
+    """The seconds of ``points`` (rows ascending) made to never fall with more rows and to grow at most in proportion.
+
+    An execution of ``r`` rows costs no more than the ``r / p`` executions of ``p`` rows it could be split into, so a
+    timing above ``r / p`` times the point before it (a stall while it was timed) is cut down to that.
+    """
+    out: list[float] = []
+    for k, (rows, seconds) in enumerate(points):
+        bounded = seconds
+        if out:
+            bounded = max(out[-1], min(seconds, out[-1] * rows / points[k - 1][0]))
+        out.append(bounded)
+    return out
 
 
 def _interpolate(points: list[tuple[int, float]], rows: int) -> float:

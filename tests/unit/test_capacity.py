@@ -132,3 +132,18 @@ def test_largest_within():
     assert largest_within(lambda n: n, 10.0, 100) == 10
     assert largest_within(lambda n: n, 1000.0, 100) == 100
     assert largest_within(lambda n: n, 0.0, 100) == 1
+
+
+def test_a_timing_stalled_at_load_is_cut_to_what_smaller_executions_bound():
+    # 32 rows timed during a stall: no slower than two executions of 16; 1 row stalled: no slower than 2 rows
+    curve = ServiceCurve({1: 0.5, 2: 0.011, 4: 0.017, 8: 0.026, 16: 0.046, 32: 0.895, 64: 0.895}, 64)
+    table = dict(curve.table(now=0))
+    assert table[1] == pytest.approx(0.011) and table[32] == pytest.approx(0.092) and table[64] == pytest.approx(0.184)
+
+
+def test_an_execution_served_slower_than_proportion_is_cut_too():
+    curve = linear_curve(3, 2)
+    for _ in range(3):
+        curve.observe(16, 0.035, now=0)
+        curve.observe(64, 5.0, now=0)  # stalled executions of 64: no slower than two of 32
+    assert dict(curve.table(now=0))[64] == pytest.approx(2 * 0.067)
