@@ -91,7 +91,8 @@ def test_the_executions_served_move_the_door_down_to_half_its_load_time_width_an
     for _ in range(8):  # a stall: the door stays at half its width, where batches still keep the throughput
         curve.observe(16, 1.0, now=2)
         curve.observe(32, 1.0, now=2)
-    assert admission.limits(now=3).max_in_flight == before // 2
+    stalled = admission.limits(now=3)
+    assert stalled.max_in_flight == math.ceil(before / 2) and "half the door at load" in stalled.how["MAX_IN_FLIGHT"]
     for _ in range(16):  # shorter texts than the load-time timing's
         curve.observe(16, 0.010, now=4)
         curve.observe(32, 0.018, now=4)
