@@ -10,13 +10,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-# Model to export: empty = the model exported last, else the packaged all-MiniLM-L6-v2; or a sentence-transformers
-# folder (make model MODEL=path); default = the packaged one.
+# Model to export: empty = the model exported last under NAME, else the packaged all-MiniLM-L6-v2; or a
+# sentence-transformers folder (make model MODEL=path); default = the packaged one.
 MODEL ?=
+# The model's name, its ensemble in Triton: empty = embed (with MODEL), or every model exported (without MODEL: make
+# serve brings each up to date). Another name adds a model beside the others: make model MODEL=path NAME=multi.
+NAME ?=
+# Where make model writes the repository Triton serves (git-ignored; the tracked model_repository/ holds its templates).
+MODEL_REPOSITORY ?= .build/model_repository
 # What the encoder computes at: auto (bf16 on a CPU with native bf16, else fp32), fp32, bf16 or fp16; a reduced
 # precision must reach MIN_COSINE to fp32 sentence-transformers on every calibration text (CORPUS's too, when given).
-# Each applies to the export it is given to: name PRECISION on every make model / make serve that should keep it.
-PRECISION ?= auto
+# Empty: what the model was exported at before (auto for a new one).
+PRECISION ?=
 MIN_COSINE ?=
 # Embedded server binds loopback by default; HOST=0.0.0.0 opens it to the network.
 HOST ?= 127.0.0.1
@@ -28,7 +33,8 @@ GATEWAY_PORT ?= 8080
 # Seconds make serve waits for the model to be READY; a long max_seq_length warms up for minutes on a CPU.
 READY_TIMEOUT ?= 300
 PYTEST_ARGS ?=
-# make loadtest / loadtest-ui / capacity: where the server is and how hard to push (defaults fit a 2-core machine).
+# make loadtest / loadtest-ui / capacity: where the server is, which model (NAME; default embed) and how hard to push
+# (defaults fit a 2-core machine).
 TRITON_HOST ?= 127.0.0.1
 USERS ?= 8
 SPAWN_RATE ?= 8
@@ -38,9 +44,9 @@ LOCUST_ARGS ?=
 CAPACITY_USERS ?= 1,2,4,8,16,32
 CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
-	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS)
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS) $(if $(NAME),--model $(NAME))
 
-.PHONY: install peers client-test model reference-model serve test unit lint typecheck tune bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install peers client-test model remove-model reference-model serve test unit lint typecheck tune bench bench-encoder bench-precision bench-overload bench-bulk perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -68,17 +74,23 @@ $(PEERS_STAMP): bench/peers/infinity.lock $(STAMP)
 # Without MODEL: the model exported last (make model MODEL=... once, then make serve serves it); MODEL=default: the
 # packaged all-MiniLM-L6-v2.
 model: install
-	$(PY) -m triton_embed_server.export $(if $(MODEL),--model "$(MODEL)") --precision $(PRECISION) \
+	$(PY) -m triton_embed_server.export --repository "$(MODEL_REPOSITORY)" $(if $(MODEL),--model "$(MODEL)") \
+		$(if $(NAME),--name "$(NAME)") $(if $(PRECISION),--precision $(PRECISION)) \
 		$(if $(MIN_COSINE),--min-cosine $(MIN_COSINE)) $(if $(CORPUS),--corpus "$(CORPUS)")
 
-# The packaged all-MiniLM-L6-v2 at fp32, whatever was exported before: the tests compare the served embeddings with
-# sentence-transformers' to 1e-5; the bf16 tests and bench's triton-auto export copies of their own.
+# Deletes the model NAME from the served repository (make remove-model NAME=multi).
+remove-model: install
+	$(PY) -m triton_embed_server.export --repository "$(MODEL_REPOSITORY)" --remove "$(NAME)"
+
+# The packaged all-MiniLM-L6-v2 at fp32 as embed, whatever was exported before: the tests compare the served
+# embeddings with sentence-transformers' to 1e-5; the bf16 tests and bench's triton-auto export copies of their own.
 reference-model: install
-	$(PY) -m triton_embed_server.export --model default --precision fp32
+	$(PY) -m triton_embed_server.export --repository "$(MODEL_REPOSITORY)" --model default --precision fp32
 
 serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-		--metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) --ready-timeout $(READY_TIMEOUT)
+		--metrics-port $(METRICS_PORT) --gateway-port $(GATEWAY_PORT) --ready-timeout $(READY_TIMEOUT) \
+		--model-repository "$(MODEL_REPOSITORY)"
 
 # Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server
 # (tests/test_bench.py runs make bench in miniature, Infinity included).
@@ -133,7 +145,6 @@ typecheck: install
 
 clean:
 	rm -rf .build .pytest_cache
-	find model_repository -path '*/1/*' ! -name .gitkeep -delete
 
 # Side-by-side benchmark (in-process ceiling, naive FastAPI server, Infinity, Triton fixed-128, Triton buckets, the
 # gateway), then tracing's cost through the gateway: off, following load, every request (bench/tracing.py); ~10 min.
@@ -142,9 +153,10 @@ bench: reference-model peers
 
 # A capacity search on this machine, model and texts (CORPUS=file, one text a line; default STS-B): the encoder's
 # instances x threads, the batcher's queue delay and the bucket grid, each served and swept; the best is written into
-# model_repository/encoder/config.pbtxt with the figures beside it (bench/tune.py); ~2 min a candidate.
+# the served repository's encoder/config.pbtxt with the figures beside it (bench/tune.py; a re-export starts from the
+# template again); ~2 min a candidate.
 tune: model
-	$(PY) -m bench.tune $(if $(CORPUS),--corpus "$(CORPUS)") $(TUNE_ARGS)
+	$(PY) -m bench.tune --repository "$(MODEL_REPOSITORY)" $(if $(CORPUS),--corpus "$(CORPUS)") $(TUNE_ARGS)
 
 # The exported encoder's variants in process beside sentence-transformers (bench/encoder.py); ~4 min.
 bench-encoder: install

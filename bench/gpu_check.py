@@ -5,9 +5,9 @@ minutes):
 
 1. builds a sentence-transformers folder of all-MiniLM-L6-v2's architecture with random weights (config and tokenizer
    files from ``make gpu-carry``; the trained weights do not travel, and speed does not depend on them) and exports
-   it with the project's exporter (``triton_embed_server.export.export``, its self-check included) into a copy of
-   ``model_repository`` at fp32, and with ``PRECISION=auto`` for the GPU config (fp16, through its quality gate) into
-   a second copy;
+   it with the project's exporter (``triton_embed_server.export.export``, its self-check included) into a served
+   repository of its own at fp32, and with ``PRECISION=auto`` for the GPU config (fp16, through its quality gate)
+   into a second one;
 2. loads the written ``model.pt`` through ``runners.load_module`` on the GPU; per bucket of the default grid
    (batch 1..64 x length 16..256), graph replay of a ragged batch must equal each row run alone, eagerly on the GPU
    and on the CPU from the same file (max abs diff < 1e-3); graph vs eager throughput per batch at length 32
@@ -324,10 +324,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one phase aft
         from triton_embed_server.encoder_module import device_problems
         from triton_embed_server.export import MAX_ABS_DIFF, export
 
-        gpu_steps.copy_repository(repo)
+        for folder_ in (repo, repo16):
+            shutil.rmtree(folder_, ignore_errors=True)
         manifest = export(folder, repo, force=True, precision="fp32")
-        gpu_steps.copy_repository(repo16)
         manifest16 = export(folder, repo16, force=True, precision="auto", device="gpu")
+        gpu_steps.cache_off(repo)
+        gpu_steps.cache_off(repo16)
         written = repo / "encoder" / "1" / "model.pt"
         pinned = device_problems(torch.jit.load(str(written), map_location="cpu"))
         pinned += device_problems(torch.jit.load(str(repo16 / "encoder" / "1" / "model.pt"), map_location="cpu"))

@@ -138,21 +138,11 @@ def build_random_model(source: Path, dest: Path, seed: int = 0) -> dict:
     }
 
 
-def copy_repository(dest: Path) -> Path:
-    """Copy ``model_repository``'s configs (no artifacts) to ``dest``, with the ensemble's response cache off.
+def cache_off(dest: Path) -> Path:
+    """Switch the response cache of the exported repository ``dest``'s ensemble off; return ``dest``.
 
     The sweep repeats texts; cache hits would measure the cache, not the model.
-
-    Returns:
-        ``dest``.
     """
-    if dest.exists():
-        shutil.rmtree(dest)
-    shutil.copytree(
-        ROOT / "model_repository",
-        dest,
-        ignore=lambda folder, names: [n for n in names if Path(folder).name == "1" and n != ".gitkeep"],
-    )
     for cfg in (dest / "embed").rglob("*.pbtxt"):
         cfg.write_text(
             re.sub(r"response_cache\s*\{\s*enable:\s*true\s*\}", "response_cache { enable: false }", cfg.read_text())

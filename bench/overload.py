@@ -123,10 +123,10 @@ class _Tally:
 
 
 async def _loops(client, texts: list[str], counter, *, clients: int, size: int, window: tuple[float, float],
-                 parameters: dict | None = None) -> _Tally:  # fmt: skip
-    """``clients`` loops sending ``size`` new texts per request (with request ``parameters``) until ``window`` ends.
+                 parameters: dict | None = None, model: str = "embed") -> _Tally:  # fmt: skip
+    """``clients`` loops sending ``size`` new texts per request to ``model`` until ``window`` ends.
 
-    Tallies the sends inside the window.
+    With request ``parameters``; tallies the sends inside the window.
     """
     import tritonclient.grpc.aio as grpcclient
 
@@ -139,7 +139,7 @@ async def _loops(client, texts: list[str], counter, *, clients: int, size: int, 
             tensor = grpcclient.InferInput("TEXT", [size, 1], "BYTES")
             tensor.set_data_from_numpy(np.array(batch, dtype=np.object_))
             try:
-                await client.infer("embed", [tensor], client_timeout=60, parameters=parameters)
+                await client.infer(model, [tensor], client_timeout=60, parameters=parameters)
                 if t0 >= begin:
                     tally.ok_ms.append((time.perf_counter() - t0) * 1000)
             except Exception as exc:  # noqa: BLE001 - counted
@@ -153,11 +153,11 @@ async def _loops(client, texts: list[str], counter, *, clients: int, size: int, 
     return tally
 
 
-async def _loop_groups(url: str, texts: list[str], groups: list[tuple[int, int, dict | None]], seconds: float,
+async def _loop_groups(url: str, texts: list[str], groups: list[tuple], seconds: float,
                        warmup_s: float) -> list[LoopResult]:  # fmt: skip
-    """Run each group of (loops, texts per request, request parameters) at once on one gRPC client.
+    """Run each group of (loops, texts per request, request parameters[, model]) at once on one gRPC client.
 
-    One :class:`LoopResult` per group.
+    The model defaults to ``embed``; one :class:`LoopResult` per group.
     """
     import tritonclient.grpc.aio as grpcclient
 
@@ -167,12 +167,21 @@ async def _loop_groups(url: str, texts: list[str], groups: list[tuple[int, int, 
     window = (start + warmup_s, start + warmup_s + seconds)
     tallies = await asyncio.gather(
         *(
-            _loops(client, texts, counter, clients=n, size=size, window=window, parameters=parameters)
-            for n, size, parameters in groups
+            _loops(
+                client,
+                texts,
+                counter,
+                clients=group[0],
+                size=group[1],
+                window=window,
+                parameters=group[2],
+                model=group[3] if len(group) > 3 else "embed",
+            )  # fmt: skip
+            for group in groups
         )
     )
     await client.close()
-    return [tally.result(n, seconds) for tally, (n, _, _) in zip(tallies, groups, strict=True)]
+    return [tally.result(group[0], seconds) for tally, group in zip(tallies, groups, strict=True)]
 
 
 async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, warmup_s: float = 2.0):
@@ -189,6 +198,12 @@ async def beside_bulk_loops(url: str, texts: list[str], clients: int, seconds: f
     """
     one, big = await _loop_groups(url, texts, [(clients, 1, None), (*bulk, None)], seconds, warmup_s)
     return one, big
+
+
+async def model_loops(url: str, texts: list[str], groups: list[tuple[str, int, int]], seconds: float,
+                      warmup_s: float = 2.0) -> list[LoopResult]:  # fmt: skip
+    """No-backoff loops at several models at once: per group (model, loops, texts per request), one result each."""
+    return await _loop_groups(url, texts, [(n, size, None, model) for model, n, size in groups], seconds, warmup_s)
 
 
 WRK_SCRIPT = ROOT / "bench" / "wrk_embed.lua"

@@ -228,17 +228,20 @@ def variant_repository(
         cache: keep the ensemble's response cache on, as shipped.
         precision: when set, the packaged model is exported into ``dst`` at this precision (``make model``'s
             ``PRECISION``: auto, fp32, bf16, fp16) instead of linking the repository's artifacts.
-        source: the repository to copy (default: the checkout's ``model_repository``), e.g. one this function made.
+        source: the repository whose ``embed`` model to copy (default: the served one, ``.build/model_repository``),
+            e.g. one this function made.
 
     Raises:
         ValueError: the shipped config lacks a value this function rewrites.
     """
     from triton_embed_server import export as exporter
 
-    src = source or ROOT / "model_repository"
-    shutil.copytree(
-        src, dst, symlinks=True, ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))]
-    )
+    src = source or exporter.DEFAULT_MODEL_REPOSITORY
+    for step in ("embed", "tokenizer", "encoder"):
+        shutil.copytree(
+            src / step, dst / step, symlinks=True,
+            ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))],
+        )  # fmt: skip
     if precision is None:
         for name in exporter.ARTIFACTS:
             (dst / name).symlink_to(src / name)

@@ -10,7 +10,7 @@ measures where it is installed (``PERF_ANALYZER``, else ``../shared/tools/perf-a
 (``bench/loadgen.py``) otherwise or with ``--tool client``. The best candidate's values are written into
 ``<repository>/encoder/config.pbtxt`` (instance ``count``, ``TORCH_NUM_THREADS``, ``max_queue_delay_microseconds``,
 the ``graph_spec`` lengths) with the table of figures as a comment beside them; a later re-export (``make model``
-after the model changed) writes the x1.5 grid again.
+after the model, the exporter or the templates changed) writes the config from its template again.
 
     make tune                                # STS-B sentences; CORPUS=file.txt for your own, one text a line
     python -m bench.tune --tool client --levels 4,8,16 --seconds 5 --dry-run
@@ -172,8 +172,8 @@ def best(rows: list[tuple[int, float, float]], sla_ms: float) -> Figure | None:
 def main(argv: list[str] | None = None) -> int:
     """Serve and sweep every candidate, print the table, write the best into the repository's encoder config."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository",
-                        help="the model repository to tune (its model exported: make model)")  # fmt: skip
+    parser.add_argument("--repository", type=Path, default=ROOT / ".build" / "model_repository",
+                        help="the served repository whose embed model to tune (make model writes it)")  # fmt: skip
     parser.add_argument("--corpus", default=None, help="texts, one a line (default: STS Benchmark train + dev)")
     parser.add_argument("--levels", default="4,8,16,24,32,48,64", help="closed-loop concurrencies")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per level (bench client)")

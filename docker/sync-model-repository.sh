@@ -32,7 +32,7 @@ precision="${PRECISION:-}" device="${EXPORT_DEVICE:-gpu}"
 if [[ -n "$model" || -n "$precision" ]]; then
     echo "sync-model-repository: exporting ${MODEL:-${model:-the packaged model}} at precision ${precision:-auto}" >&2
     "$python" -m triton_embed_server.export --model "${model:-default}" --repository "$stage" --force \
-        --precision "${precision:-auto}" --device "$device" >&2
+        --templates "$configs" --precision "${precision:-auto}" --device "$device" >&2
 else
     cp -R "$artifacts"/. "$stage"/
 fi

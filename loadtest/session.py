@@ -10,7 +10,7 @@ from pathlib import Path
 import gevent
 import numpy as np
 import tritonclient.http as httpclient
-from triton_embed.server_stats import STEPS, parse
+from triton_embed.server_stats import STEPS, parse, steps
 
 from loadtest import refusals, report
 from loadtest.gate import GateResult, Recorder, SlaSpec, evaluate, stretch_line, window
@@ -21,20 +21,27 @@ RUNS_DIR = Path(__file__).resolve().parent / "runs"
 
 
 class StatsSource:
-    """Raw ``model_stats`` entries of the ensemble and its steps from Triton's HTTP statistics API."""
+    """Raw ``model_stats`` entries of the ensemble and its steps from Triton's HTTP statistics API.
+
+    ``models``: the model's ensemble, tokenizer and encoder as Triton names them (``server_stats.steps``); the
+    snapshots name them ``embed``, ``tokenizer`` and ``encoder`` whatever the model's name, as the stage blame reads.
+    """
 
     def __init__(self, url: str, models: tuple[str, ...] = STEPS) -> None:
         self.url, self.models = url, models
 
     def snapshot(self) -> dict[str, dict]:
-        """``{model: model_stats[0]}`` now (counters since the server started).
+        """``{step: model_stats[0]}`` now (counters since the server started).
 
         Raises:
             tritonclient.utils.InferenceServerException: the server is unreachable or a model is unknown.
         """
         client = httpclient.InferenceServerClient(self.url, connection_timeout=10, network_timeout=10)
         try:
-            return {m: client.get_inference_statistics(m)["model_stats"][0] for m in self.models}
+            return {
+                role: client.get_inference_statistics(m)["model_stats"][0]
+                for role, m in zip(STEPS, self.models, strict=True)
+            }
         finally:
             client.close()
 
@@ -59,7 +66,7 @@ class LoadRun:
         self.env = environment
         self.opts = environment.parsed_options
         self.recorder = Recorder()
-        self.stats = StatsSource(f"{self.opts.triton_host}:{self.opts.http_port}")
+        self.stats = StatsSource(f"{self.opts.triton_host}:{self.opts.http_port}", steps(self.opts.model))
         self.result: GateResult | None = None
         self.folder: Path | None = None
         self._reset()

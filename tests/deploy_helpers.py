@@ -192,7 +192,7 @@ def sync_model_repository(
     artifacts = tmp / "artifacts"
     for rel in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
         (artifacts / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / "model_repository" / rel, artifacts / rel)
+        shutil.copy(ROOT / ".build" / "model_repository" / rel, artifacts / rel)
     models = tmp / "models"
     models.mkdir()
     (models / "left-over.pbtxt").write_text("from an older image")

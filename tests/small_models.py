@@ -9,7 +9,6 @@ their ids, post-processor, padding side) is trained here on a few hundred senten
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,11 +218,11 @@ def small_sentence_transformer(
     return folder / "model"
 
 
-def repository_for(model: Path, repo: Path, precision: str = "fp32") -> Path:
-    """A copy of the project's configs at ``repo`` with ``model`` exported into it at ``precision`` (widths, limit,
-    buckets and precision set to its own). fp32 by default: the tests compare with sentence-transformers to 1e-5."""
+def repository_for(model: Path, repo: Path, precision: str = "fp32", name: str = "embed") -> Path:
+    """``model`` exported into the served repository ``repo`` as the model ``name`` at ``precision`` (its configs from
+    the project's templates, with its widths, limit, buckets and precision). fp32 by default: the tests compare with
+    sentence-transformers to 1e-5. Models already in ``repo`` stay."""
     from triton_embed_server import export as exporter
 
-    shutil.copytree(REPO_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("*.pt", "*.json"))
-    exporter.export(model, repo, precision=precision)
+    exporter.export(model, repo, precision=precision, name=name)
     return repo

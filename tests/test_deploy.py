@@ -483,7 +483,7 @@ def test_the_entrypoints_drain_says_so_when_no_server_answers():
         capture_output=True, text=True, check=False, timeout=60, env={"TRITON_EMBED_ADMIN_KEY": "k"},
     )  # fmt: skip
     assert done.returncode == 0 and time.monotonic() - started < 10
-    assert "triton-embed: no drain (could not unload 'embed' at 127.0.0.1:" in done.stderr, done.stderr
+    assert "triton-embed: no drain (could not read the repository index at 127.0.0.1:" in done.stderr, done.stderr
     assert "within 30 s" not in done.stderr
 
 

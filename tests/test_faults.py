@@ -237,7 +237,7 @@ def test_a_draining_server_is_not_ready_and_refuses_new_requests_as_not_found_wh
             time.sleep(0.02)
         stopper = threading.Thread(target=server.stop)  # drains first: unloads the ensemble, then stops
         stopper.start()
-        while server.is_ready():  # GET /v2/models/embed/ready, what a load balancer probes
+        while server.is_ready():  # GET /v2/models/embed/ready (every ensemble), what a load balancer probes
             assert time.monotonic() < deadline, "the model stayed ready while the server drained"
             time.sleep(0.02)
         with EmbeddingClient(url=server.grpc_url) as client:

@@ -215,20 +215,12 @@ def test_trace_logging_and_shared_memory_apis_need_the_admin_header(server, prot
 def strict_server(tmp_path_factory):
     """The shipped repository (artifacts linked, response cache on as shipped) with the tokenizer's
     ``TRUNCATION: "error"``, as docs/configuration.md sets it where over-long texts must be errors."""
-    import shutil
-
-    from conftest import REPO_ROOT
     from triton_embed_server.embedded import EmbeddedServer
 
+    from bench.run import variant_repository
+
     tmp = tmp_path_factory.mktemp("strict")
-    src, repo = REPO_ROOT / "model_repository", tmp / "repo"
-    shutil.copytree(src, repo, ignore=shutil.ignore_patterns("model.pt", "tokenizer.json", "export.json"))
-    for name in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
-        (repo / name).symlink_to(src / name)
-    config = repo / "tokenizer" / "config.pbtxt"
-    shipped = 'key: "TRUNCATION"\n    value: { string_value: "truncate" }'
-    assert shipped in config.read_text(), "the shipped tokenizer config no longer sets TRUNCATION this way"
-    config.write_text(config.read_text().replace(shipped, shipped.replace('"truncate"', '"error"')))
+    repo = variant_repository(tmp / "repo", cache=True, knobs={("tokenizer", "TRUNCATION"): "error"})
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
 

@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "tests" / "libtorch-24.10.lock"
 VENV = ROOT / ".build" / "torch-2.5.0"
-MODEL = ROOT / "model_repository" / "encoder" / "1" / "model.pt"
+MODEL = ROOT / ".build" / "model_repository" / "encoder" / "1" / "model.pt"  # make reference-model writes it
 
 RUN = """
 import json, sys, torch

@@ -194,13 +194,15 @@ class AsyncEmbeddingClient(ClientCore):
         """
         return await self._run(self._health())
 
-    async def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
+    async def server_stats(self, models: tuple[str, ...] | None = None) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API; several endpoints added up.
+
+        ``models``: the Triton models to ask (default: the client's model's ensemble and steps, ``server_stats.steps``).
 
         Raises:
             EmbeddingError: an endpoint could not be asked (the message names it), or the client is closed.
         """
-        return await self._run(self._server_stats(models))
+        return await self._run(self._server_stats(models or server_stats.steps(self.model)))
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -183,7 +183,8 @@ def _stats(client: EmbeddingClient, args: argparse.Namespace) -> int:
     url = _metrics_url(args, client)
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as answer:  # noqa: S310 - the user's metrics URL
-            knobs: server_stats.Admission | None = server_stats.admission(answer.read().decode())
+            encoder = server_stats.steps(args.model)[2]
+            knobs: server_stats.Admission | None = server_stats.admission(answer.read().decode(), encoder)
         note = ""
     except (OSError, ValueError) as exc:
         knobs, note = None, f"admission knobs not read from {url}: {exc} (--metrics-url names the metrics port)"

@@ -262,15 +262,17 @@ class EmbeddingClient(ClientCore):
         """
         return self._run(self._health())
 
-    def server_stats(self, models: tuple[str, ...] = server_stats.STEPS) -> list[server_stats.StepStats]:
+    def server_stats(self, models: tuple[str, ...] | None = None) -> list[server_stats.StepStats]:
         """Per-step counters and mean queue/compute times from Triton's statistics API (since server start).
+
+        ``models``: the Triton models to ask (default: the client's model's ensemble and steps, ``server_stats.steps``).
 
         With several endpoints, their counters added up.
 
         Raises:
             EmbeddingError: an endpoint could not be asked (the message names it), or the client is closed.
         """
-        return self._run(self._server_stats(models))
+        return self._run(self._server_stats(models or server_stats.steps(self.model)))
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -5,9 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from triton_embed_protocol import DEFAULT_MODEL, step_names
 from triton_embed_protocol.capacity import KNOB_GAUGE, read_gauges
 
-STEPS = ("embed", "tokenizer", "encoder")
+
+def steps(model: str = DEFAULT_MODEL) -> tuple[str, str, str]:
+    """The model ``model``'s ensemble and its tokenizer and encoder steps, as Triton names them."""
+    return (model, *step_names(model))
+
+
+STEPS = steps()
 _DURATIONS = ("queue", "compute_input", "compute_infer", "compute_output")
 
 

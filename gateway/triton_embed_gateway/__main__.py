@@ -1,4 +1,7 @@
-"""``triton-embed-gateway`` (``python -m triton_embed_gateway``): the embeddings HTTP API in front of one Triton."""
+"""``triton-embed-gateway`` (``python -m triton_embed_gateway``): the embeddings HTTP API in front of one Triton.
+
+Several models: ``triton-embed-gateway --model embed --model multi --served-model-name multi=multilingual-e5-small``.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +27,15 @@ def parser() -> argparse.ArgumentParser:
     """The command line's options."""
     p = argparse.ArgumentParser(prog="triton-embed-gateway", description=__doc__)
     p.add_argument("--triton", default="127.0.0.1:8001", help="Triton's gRPC host:port (default %(default)s)")
-    p.add_argument("--model", default="embed", help="the ensemble's name (default %(default)s)")
-    p.add_argument("--served-model-name", default=None, help="id answered in 'model' (default: --model)")
+    p.add_argument(
+        "--model", action="append",
+        help="an ensemble to serve, repeatable; the first is the TEI routes' and a request's without 'model' "
+        "(default: embed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--served-model-name", action="append", default=[], metavar="[MODEL=]ID",
+        help="the id answered in 'model' and /v1/models for MODEL (without MODEL=: the first), repeatable",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
     p.add_argument(
@@ -56,8 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     except SamplingConfigError as exc:
         print(f"triton-embed-gateway: {exc}", file=sys.stderr)
         return 2
+    models = args.model or ["embed"]
+    names = {}
+    for alias in args.served_model_name:
+        model, _, name = alias.rpartition("=")
+        if model and model not in models:
+            print(f"triton-embed-gateway: --served-model-name {alias}: {model} is not a --model", file=sys.stderr)
+            return 2
+        names[model or models[0]] = name
     settings = GatewaySettings(
-        served_model=args.served_model_name or args.model,
+        served_names=names,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         payload_limit=args.payload_limit,
         max_inputs=args.max_inputs,
@@ -72,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     tracing = Tracing.from_environment()  # OTEL_EXPORTER_OTLP_ENDPOINT & co; off without an endpoint
-    app = build_app(TritonEmbedder(args.triton, args.model, args.timeout, tracing), settings)
+    app = build_app([TritonEmbedder(args.triton, model, args.timeout, tracing) for model in models], settings)
     print(
-        f"triton-embed-gateway: http://{args.host}:{args.port}/v1/embeddings -> grpc://{args.triton} ({args.model})",
+        f"triton-embed-gateway: http://{args.host}:{args.port}/v1/embeddings -> grpc://{args.triton} "
+        f"({', '.join(names.get(m, m) for m in models)})",
         flush=True,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

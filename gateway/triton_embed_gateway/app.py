@@ -53,13 +53,14 @@ DEFAULT_PAYLOAD_LIMIT = 2_000_000
 class GatewaySettings:
     """How the gateway answers.
 
-    ``served_model``: the id answered in ``model`` and ``/v1/models``; ``api_key``: None = no key needed;
+    ``served_names``: ensemble -> the id answered for it in ``model`` and ``/v1/models`` (an ensemble without one
+    answers under its own name); ``api_key``: None = no key needed;
     ``payload_limit``: bytes; ``max_inputs``: texts per API request; ``sampling``: how the share of requests traced
     follows load, when it does; ``admin_header`` and ``admin_key``: Triton's admin lock, with which the sampling sets
     Triton's ``trace_rate`` (None: Triton's rate is left alone).
     """
 
-    served_model: str = "embed"
+    served_names: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
     payload_limit: int = DEFAULT_PAYLOAD_LIMIT
     max_inputs: int = DEFAULT_MAX_INPUTS
@@ -106,7 +107,7 @@ class Metrics:
 
 
 def _sampling(
-    embedder: TritonEmbedder, settings: GatewaySettings, sampler: AdaptiveRatio, metrics: Metrics
+    embedders: list[TritonEmbedder], settings: GatewaySettings, sampler: AdaptiveRatio, metrics: Metrics
 ) -> SamplingController:
     """The controller of ``sampler`` and of Triton's ``trace_rate`` (with the admin key, if given)."""
     key = settings.admin_key
@@ -118,9 +119,13 @@ def _sampling(
         state = "slow" if controller.slow else "quiet" if share == 1.0 else "load"
         metrics.sampling_changes.labels(state=state).inc()
 
+    async def request_count() -> int | None:
+        counts = await asyncio.gather(*(e.request_count() for e in embedders))
+        return None if None in counts else sum(c for c in counts if c is not None)
+
     controller = SamplingController(
-        settings.sampling, sampler, embedder.request_count,
-        (lambda rate: embedder.set_trace_rate(rate, headers)) if key else None, changed,
+        settings.sampling, sampler, request_count,
+        (lambda rate: embedders[0].set_trace_rate(rate, headers)) if key else None, changed,
     )  # fmt: skip
     if not key:
         log.warning("TRITON_EMBED_ADMIN_KEY is not set: Triton's trace_rate stays as Triton started; the gateway's "
@@ -171,16 +176,34 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def build_app(  # noqa: PLR0915 - the routes are closures over one application's state
-    embedder: TritonEmbedder, settings: GatewaySettings, tracing: Tracing | None = None
+    embedders: TritonEmbedder | list[TritonEmbedder], settings: GatewaySettings, tracing: Tracing | None = None
 ) -> Starlette:
-    """The ASGI application answering for ``embedder``'s Triton server.
+    """The ASGI application answering for the ensembles of ``embedders`` (one Triton server).
 
-    ``tracing``: a server span per request of the embedding routes (default: the embedder's, off unless set up).
-    The embedder's channel is closed and the spans still queued are exported when the application shuts down.
+    ``/v1/embeddings`` routes by the request's ``model`` (an id of ``settings.served_names`` or an ensemble's name;
+    with one ensemble any name, with several none means the first); the TEI routes use the first. ``tracing``: a
+    server span per request of the embedding routes (default: the first embedder's, off unless set up). The
+    embedders' channels are closed and the spans still queued are exported when the application shuts down.
     """
+    embedders = [embedders] if isinstance(embedders, TritonEmbedder) else list(embedders)
+    served = {settings.served_names.get(e.model, e.model): e for e in embedders}
     metrics = Metrics()
-    tracing = tracing or embedder.tracing
-    sampling = _sampling(embedder, settings, tracing.sampler, metrics) if tracing.sampler is not None else None
+    tracing = tracing or embedders[0].tracing
+    sampling = _sampling(embedders, settings, tracing.sampler, metrics) if tracing.sampler is not None else None
+
+    def chosen(model: str | None) -> tuple[str, TritonEmbedder]:
+        """The served id and the embedder a request's ``model`` names."""
+        if len(served) == 1 or model is None:
+            return next(iter(served.items()))
+        if model in served:
+            return model, served[model]
+        for name, embedder in served.items():
+            if embedder.model == model:
+                return name, embedder
+        raise ApiError(
+            404, f"model '{model}' is not served here; the served models are {', '.join(served)}",
+            code="model_not_found", param="model",
+        )  # fmt: skip
 
     def authorised(request: Request) -> bool:
         if settings.api_key is None:
@@ -223,42 +246,46 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
 
         return endpoint
 
-    async def embed(request: EmbedRequest, field: str) -> tuple[Vectors, Counts]:
-        annotate(texts=len(request.texts), model=settings.served_model)
+    async def embed(request: EmbedRequest, field: str, model: str | None = None) -> tuple[str, Vectors, Counts]:
+        name, embedder = chosen(model)
+        annotate(texts=len(request.texts), model=name)
         vectors, tokens = await embedder.embed(request, field)
         metrics.texts.inc(len(request.texts))
         metrics.tokens.inc(int(tokens.sum()))
         annotate(tokens=int(tokens.sum()))
-        return vectors, tokens
+        return name, vectors, tokens
 
     async def openai_embeddings(request: Request) -> Response:
         parsed = openai_request(await read_json(request, settings.payload_limit), settings.max_inputs)
-        vectors, tokens = await embed(parsed, "input")
-        return json_response(openai_response(vectors, tokens, settings.served_model, parsed.encoding_format))
+        name, vectors, tokens = await embed(parsed, "input", parsed.model)
+        return json_response(openai_response(vectors, tokens, name, parsed.encoding_format))
 
     async def tei_embed(request: Request) -> Response:
         parsed = tei_request(await read_json(request, settings.payload_limit), settings.max_inputs)
-        vectors, _ = await embed(parsed, "inputs")
+        _, vectors, _ = await embed(parsed, "inputs")
         return json_response(vectors)
 
     async def models(request: Request) -> Response:
-        info = await embedder.info()
-        model = {
-            "id": settings.served_model, "object": "model", "created": 0, "owned_by": "triton-embed",
-            "dimension": info.dim, "max_tokens": info.max_tokens, "max_batch_size": info.max_batch_size,
-            "precision": info.precision,
-        }  # fmt: skip
-        return json_response({"object": "list", "data": [model]})
+        data = []
+        for name, embedder in served.items():
+            info = await embedder.info()
+            data.append({
+                "id": name, "object": "model", "created": 0, "owned_by": "triton-embed",
+                "dimension": info.dim, "max_tokens": info.max_tokens, "max_batch_size": info.max_batch_size,
+                "precision": info.precision,
+            })  # fmt: skip
+        return json_response({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:
         return json_response({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        if await embedder.ready():
-            return json_response({"status": "ready"})
-        raise ApiError(
-            503, f"model '{embedder.model}' is not ready at {embedder.url}", code="not_ready", retry_after_s=1
-        )
+        for embedder in embedders:
+            if not await embedder.ready():
+                raise ApiError(
+                    503, f"model '{embedder.model}' is not ready at {embedder.url}", code="not_ready", retry_after_s=1
+                )
+        return json_response({"status": "ready"})
 
     async def metrics_page(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -285,7 +312,8 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
         yield
         if controller is not None:
             controller.cancel()
-        await embedder.close()
+        for embedder in embedders:
+            await embedder.close()
         tracing.shutdown()
 
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)

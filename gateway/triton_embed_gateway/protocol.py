@@ -86,7 +86,8 @@ class EmbedRequest:
     model's prompts, None for its default; ``prompt_field``: the API field that named it, for errors;
     ``dimensions``: keep the first ``d`` components, renormalised, None for all; ``encoding_format``: ``float`` or
     ``base64`` (OpenAI route); ``latency_budget_ms``: the request parameter the service refuses a request by once it
-    has waited that long in the encoder's queue (0 = never refused), None for the service's own.
+    has waited that long in the encoder's queue (0 = never refused), None for the service's own; ``model``: the
+    model the request names (OpenAI route), None for none.
     """
 
     texts: list[str]
@@ -96,6 +97,7 @@ class EmbedRequest:
     dimensions: int | None = None
     encoding_format: str = "float"
     latency_budget_ms: float | None = None
+    model: str | None = None
 
 
 def _texts(value: Any, field: str, max_inputs: int) -> list[str]:
@@ -149,7 +151,7 @@ def _object(body: Any) -> dict[str, Any]:
 def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequest:
     """Read an OpenAI embeddings request.
 
-    Fields: ``input`` (str or list of str), ``model`` (any string; the served model answers), ``encoding_format``
+    Fields: ``input`` (str or list of str), ``model`` (a string: the served model it names), ``encoding_format``
     (``float`` | ``base64``), ``dimensions``, ``user`` (ignored), and as NVIDIA's NIM: ``input_type`` (a prompt name
     of the model, e.g. ``query`` or ``passage``) and ``truncate`` (``END``, the default, ``START`` or ``NONE``); and
     ``latency_budget_ms``, the service's request parameter.
@@ -177,6 +179,7 @@ def openai_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbedRequ
         dimensions=_dimensions(body),
         encoding_format=encoding,
         latency_budget_ms=_budget(body),
+        model=model,
     )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from triton_embed_protocol import refusal_reason
+from triton_embed_protocol import refusal_reason, step_names
 from tritonclient.utils import InferenceServerException
 
 from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, Vectors, shorten
@@ -25,8 +25,7 @@ from triton_embed_gateway.tracing import Tracing
 
 TEXT, PROMPT_NAME, TRUNCATE = "TEXT", "PROMPT_NAME", "TRUNCATE"
 EMBEDDING, TOKEN_COUNT = "EMBEDDING", "TOKEN_COUNT"
-TOKENIZER, TOKENIZER_COUNT = "tokenizer", "token_count"  # the ensemble's first step and its output
-ENCODER = "encoder"  # the ensemble's second step, whose PRECISION parameter make model sets
+TOKENIZER_COUNT = "token_count"  # noqa: S105 - the tokenizer step's output of token counts
 RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
 _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
@@ -88,7 +87,7 @@ def _bytes_input(name: str, values: list[str]) -> grpcclient.InferInput:
 
 
 class TritonEmbedder:
-    """Embeds texts with the ``embed`` ensemble of one Triton server, over one gRPC channel.
+    """Embeds texts with one ensemble (a model ``make model`` exported) of one Triton server, over one gRPC channel.
 
     Args:
         url: Triton's gRPC ``host:port``.
@@ -100,6 +99,7 @@ class TritonEmbedder:
 
     def __init__(self, url: str, model: str = "embed", timeout_s: float = 30.0, tracing: Tracing | None = None) -> None:
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.tokenizer, self.encoder = step_names(model)  # the encoder's PRECISION parameter is make model's
         self.tracing = tracing or Tracing.off()
         self._channel: grpcclient.InferenceServerClient | None = None
         self._info: ModelInfo | None = None
@@ -120,11 +120,14 @@ class TritonEmbedder:
         if self._info is None:
             try:
                 config = (await self._client.get_model_config(self.model, as_json=True, client_timeout=5))["config"]
-                tokenizer = (await self._client.get_model_config(TOKENIZER, as_json=True, client_timeout=5))["config"]
-                encoder = (await self._client.get_model_config(ENCODER, as_json=True, client_timeout=5))["config"]
+                steps = [
+                    (await self._client.get_model_config(step, as_json=True, client_timeout=5))["config"]
+                    for step in (self.tokenizer, self.encoder)
+                ]
             except InferenceServerException as exc:
                 raise api_error(exc) from exc
             dims = next(o["dims"] for o in config["output"] if o["name"] == EMBEDDING)
+            tokenizer, encoder = steps
             limit = tokenizer.get("parameters", {}).get("MAX_SEQ_LENGTH", {}).get("string_value")
             precision = encoder.get("parameters", {}).get("PRECISION", {}).get("string_value")
             self._info = ModelInfo(
@@ -191,7 +194,7 @@ class TritonEmbedder:
         """
         try:
             result = await self._client.infer(
-                TOKENIZER, inputs, outputs=[grpcclient.InferRequestedOutput(TOKENIZER_COUNT)],
+                self.tokenizer, inputs, outputs=[grpcclient.InferRequestedOutput(TOKENIZER_COUNT)],
                 client_timeout=self.timeout_s,
             )  # fmt: skip
         except InferenceServerException as exc:

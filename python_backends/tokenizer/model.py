@@ -59,6 +59,7 @@ from triton_embed_protocol import (
     RequestError,
     config_number,
     config_parameters,
+    model_of_step,
     request_parameters,
 )
 from triton_embed_protocol.metric_lifetime import keep
@@ -72,6 +73,7 @@ from triton_embed_protocol.overload import (
     InFlight,
     RefusalHold,
     admit,
+    capacity_share,
     is_bulk,
     request_budget_ms,
 )
@@ -194,7 +196,7 @@ class TritonPythonModel:
                 f"config parameter MAX_SEQ_LENGTH is {configured} but {path} truncates at {self.max_tokens}: "
                 "run `make model` (it sets both)"
             )
-        self.in_flight = InFlight(args["model_repository"])
+        self.in_flight = InFlight(args["model_repository"], model_of_step(args["model_name"]))
         self.in_flight.reset()
         self.door = Door()
         self.refusals = RefusalHold()
@@ -300,8 +302,9 @@ class TritonPythonModel:
         if not limit:
             return set(), bulk, state
         lane_texts = state.bulk_texts if state.bulk_in_flight else 0  # the message offers the lane where there is one
+        share = capacity_share(self.in_flight.others())  # the other models of this server share the machine
         refused = admit(state.count, limit, [texts[i] for i in interactive], max_in_flight=state.limit,
-                        flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts)  # fmt: skip
+                        flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts, share=share)  # fmt: skip
         for k, message in refused.items():
             self._refuse(requests[interactive[k]], message, arrived_ns + state.hold_ns, texts[interactive[k]])
         if refused:

@@ -54,6 +54,7 @@ from triton_embed_protocol import (
     RequestError,
     config_number,
     config_parameters,
+    model_of_step,
     request_parameters,
 )
 from triton_embed_protocol.capacity import (
@@ -248,7 +249,7 @@ class TritonPythonModel:
             + ", ".join(f"{rows} in {seconds * 1000:.1f} ms" for rows, seconds in curve.table())
         )
         self.refusals = RefusalHold()
-        self.in_flight = InFlight(args["model_repository"])
+        self.in_flight = InFlight(args["model_repository"], model_of_step(args["model_name"]))
         # the tokenizer's door and bulk lane read them
         self.in_flight.reset(
             self.limits.max_in_flight,

@@ -30,6 +30,32 @@ QUEUED = "queued_ns"
 the request on to the encoder's queue (one clock for every process on the host)."""
 
 
+DEFAULT_MODEL = "embed"
+"""The name of the model ``make model`` exports without ``NAME``: its ensemble and every command's default."""
+
+
+def step_names(model: str) -> tuple[str, str]:
+    """The tokenizer and encoder steps of the ensemble ``model``, in that order.
+
+    ``tokenizer`` and ``encoder`` for :data:`DEFAULT_MODEL`; ``<model>_tokenizer`` and ``<model>_encoder`` for another.
+    """
+    return ("tokenizer", "encoder") if model == DEFAULT_MODEL else (f"{model}_tokenizer", f"{model}_encoder")
+
+
+def model_of_step(step: str) -> str:
+    """The ensemble a tokenizer or encoder step named ``step`` belongs to (the inverse of :func:`step_names`).
+
+    Raises:
+        ValueError: ``step`` is not named as :func:`step_names` names steps.
+    """
+    for suffix in ("tokenizer", "encoder"):
+        if step == suffix:
+            return DEFAULT_MODEL
+        if step.endswith(f"_{suffix}") and len(step) > len(suffix) + 1:
+            return step[: -len(suffix) - 1]
+    raise ValueError(f"a step is named 'tokenizer', 'encoder', '<model>_tokenizer' or '<model>_encoder'; got {step!r}")
+
+
 BUDGET = "latency_budget_ms"
 """The request parameter that sets a request's latency budget, ms (docs/overload.md)."""
 
@@ -52,11 +78,13 @@ def budget_problem(value: object, name: str = "latency_budget_ms") -> str | None
 REFUSAL_REASONS = {
     "door": "MAX_IN_FLIGHT",
     "flood": "FLOOD_LATENCY_MS",
+    "shared": "MAX_IN_FLIGHT",
     "bulk_queue": "BULK_QUEUE",
     "budget": "latency_budget_ms",
 }
 """Why a request was refused as overloaded (gRPC UNAVAILABLE / HTTP 503), by the knob that rule reads: the door was
-full, the door under a flood was full, the bulk lane was full, the request waited past its latency budget."""
+full, the door under a flood was full, the model's share of the door beside the server's other models was full,
+the bulk lane was full, the request waited past its latency budget."""
 
 
 def refusal(reason: str, detail: str) -> str:

@@ -139,7 +139,7 @@ def is_bulk(parameters: dict, texts: int, bulk_in_flight: int, bulk_texts: int) 
 
 
 def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int | None = None, flood_ms: float = 0.0,
-                 bulk_texts: int = 0) -> str:  # fmt: skip
+                 bulk_texts: int = 0, share: float = 1.0) -> str:  # fmt: skip
     """The UNAVAILABLE message of a request refused at the door: the load, the request, the limit and the knobs.
 
     Args:
@@ -149,9 +149,14 @@ def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int |
         max_in_flight: ``MAX_IN_FLIGHT`` (None: ``limit``); a lower ``limit`` is the flood limit (:class:`Door`).
         flood_ms: ``FLOOD_LATENCY_MS``, ms.
         bulk_texts: ``BULK_TEXTS`` (0: no bulk lane, the message offers none).
+        share: the model's :func:`capacity_share` (below 1: the limit is that share of the door).
     """
     reason = "door"
-    if max_in_flight is None or limit >= max_in_flight:
+    if share < 1:
+        reason = "shared"
+        why = (f"{share:.0%} of this model's door, the other models of this server holding the rest of the "
+               "machine's; MAX_IN_FLIGHT in each encoder's config")  # fmt: skip
+    elif max_in_flight is None or limit >= max_in_flight:
         why = "MAX_IN_FLIGHT in the encoder's config"
     else:
         reason = "flood"
@@ -179,6 +184,7 @@ def admit(
     max_in_flight: int | None = None,
     flood_ms: float = 0.0,
     bulk_texts: int = 0,
+    share: float = 1.0,
 ) -> dict[int, str]:
     """The interactive requests of one tokenizer execution to refuse at the door, each with its message.
 
@@ -193,19 +199,39 @@ def admit(
         max_in_flight: ``MAX_IN_FLIGHT``, for the message (:func:`full_message`).
         flood_ms: ``FLOOD_LATENCY_MS``, ms, for the message.
         bulk_texts: ``BULK_TEXTS``, for the message (0: no bulk lane).
+        share: the model's :func:`capacity_share` beside the other models of its server: the limit is that share of
+            ``limit`` (at least one text).
 
     Returns:
         ``{request index: UNAVAILABLE message}``.
     """
     refused = {}
+    if limit and share < 1:
+        limit = max(1, int(limit * share))
     for i, n in enumerate(texts):
         if limit and in_flight and in_flight + n > limit:
             refused[i] = full_message(
-                in_flight, n, limit, max_in_flight=max_in_flight, flood_ms=flood_ms, bulk_texts=bulk_texts
-            )
+                in_flight, n, limit, max_in_flight=max_in_flight, flood_ms=flood_ms, bulk_texts=bulk_texts,
+                share=share,
+            )  # fmt: skip
         else:
             in_flight += n
     return refused
+
+
+def capacity_share(others: list[DoorState]) -> float:
+    """The share of its own door a model may fill now, beside the other models of its server.
+
+    Each door is sized for the whole machine (its model's curve, measured alone), and the models of one server share
+    the machine: a model may fill what the others leave of theirs (1 minus the sum of their fills, a fill being a
+    model's texts in flight, interactive and bulk, over its ``MAX_IN_FLIGHT``), and at least an equal part (1 over
+    the models with texts in flight, itself included) however much the others hold. Alone: 1.
+
+    Args:
+        others: the other models' views (:meth:`InFlight.others`); a model without a door is not counted.
+    """
+    fills = [(o.count + o.bulk) / o.limit for o in others if o.limit and o.count + o.bulk]
+    return max(1.0 - sum(fills), 1.0 / (1 + len(fills)))
 
 
 def queue_full_message(waiting: int, texts: int, bulk_queue: int) -> str:
@@ -295,8 +321,9 @@ class Door:
 class InFlight:
     """Texts the tokenizer handed on that the encoder has not answered yet, in a file both stubs share.
 
-    The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent) and the model repository, so every
-    server on a host has its own; each read or change takes an exclusive ``flock``. It holds the interactive and the
+    The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent), the model repository and the
+    ensemble, so every server on a host and every model it serves has its own; each read or change takes an
+    exclusive ``flock``. It holds the interactive and the
     bulk texts in flight, when the encoder last went idle, when the tokenizer last handed an interactive request on,
     the encoder's knobs (``MAX_IN_FLIGHT``, ``REFUSAL_HOLD_MS``, ``FLOOD_LATENCY_MS``, ``BULK_IN_FLIGHT``,
     ``BULK_QUEUE``, ``BULK_TEXTS``: the door's limits belong to the encoder's hardware, so they live in the encoder's
@@ -318,11 +345,15 @@ class InFlight:
     # interactive texts answered, bulk texts, last interactive hand-off ns, BULK_IN_FLIGHT, BULK_QUEUE, BULK_TEXTS
     _FORMAT = "<" + "q" * 11
 
-    def __init__(self, model_directory: str | Path) -> None:
-        """Count for the server that runs this stub and the repository holding ``model_directory``."""
+    def __init__(self, model_directory: str | Path, model: str) -> None:
+        """Count for this stub's server, the repository holding ``model_directory`` and the ensemble ``model``.
+
+        Each model's tokenizer and encoder (``step_names``) share one file.
+        """
         repository = Path(model_directory).resolve().parent
         key = hashlib.sha256(str(repository).encode()).hexdigest()[:12]
-        self.path = self.folder() / f"triton-embed-{os.getppid()}-{key}.in-flight"
+        self.path = self.folder() / f"triton-embed-{os.getppid()}-{key}-{model}.in-flight"
+        self._siblings = f"triton-embed-{os.getppid()}-{key}-*.in-flight"
 
     @staticmethod
     def folder() -> Path:
@@ -342,8 +373,8 @@ class InFlight:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
-    def _update(self, change: Callable[[list[int], int], None]) -> list[int]:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    def _update(self, change: Callable[[list[int], int], None], path: Path | None = None) -> list[int]:
+        fd = os.open(path or self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             size = struct.calcsize(self._FORMAT)
@@ -361,8 +392,20 @@ class InFlight:
 
     def door(self) -> DoorState:
         """The tokenizer's view; the counts read 0 when the encoder has been idle for :data:`IDLE_NS`."""
-        f = self._update(lambda fields, now: None)
+        return self._state(self._update(lambda fields, now: None))
+
+    @staticmethod
+    def _state(f: list[int]) -> DoorState:
         return DoorState(f[0], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10])
+
+    def others(self) -> list[DoorState]:
+        """The views of the other models this server serves from the same repository (:func:`capacity_share`)."""
+        states = []
+        for path in self.folder().glob(self._siblings):
+            if path != self.path:
+                with contextlib.suppress(FileNotFoundError):
+                    states.append(self._state(self._update(lambda fields, now: None, path)))
+        return states
 
     def add(self, texts: int, bulk: int = 0) -> int:
         """The tokenizer handed on ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count."""
@@ -506,10 +549,13 @@ class BulkLane(_Worker):
             self._wake.notify()
         return None
 
-    def share(self, state: DoorState, now_ns: int) -> int:
-        """Bulk texts that may be in flight now: ``BULK_IN_FLIGHT``, twice that with no interactive request about."""
+    def share(self, state: DoorState, now_ns: int, others: list[DoorState] | None = None) -> int:
+        """Bulk texts that may be in flight now: ``BULK_IN_FLIGHT``, twice that with no interactive request about.
+
+        Times the model's :func:`capacity_share` beside ``others`` (the other models' views).
+        """
         quiet = not state.count and (not state.interactive_ns or now_ns - state.interactive_ns > self.QUIET_NS)
-        return state.bulk_in_flight * (2 if quiet else 1)
+        return int(state.bulk_in_flight * (2 if quiet else 1) * capacity_share(others or []))
 
     def _run(self) -> None:
         while True:
@@ -526,7 +572,8 @@ class BulkLane(_Worker):
                     texts, hand_on = self._waiting[0]
                     if not self._closed:
                         state = self._in_flight.door()
-                        if state.bulk and state.bulk + texts > self.share(state, time.monotonic_ns()):
+                        share = self.share(state, time.monotonic_ns(), self._in_flight.others())
+                        if state.bulk and state.bulk + texts > share:
                             break
                     self._waiting.popleft()
                     self._texts -= texts

@@ -92,8 +92,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
         return 1
+    models = sorted(server.ensembles(), key=lambda name: (name != "embed", name))
     gateway = (
-        Gateway(server.grpc_url, args.host, args.gateway_port, server.config.admin_key) if args.gateway_port else None
+        Gateway(server.grpc_url, args.host, args.gateway_port, models, server.config.admin_key)
+        if args.gateway_port
+        else None
     )
     if gateway is not None and not gateway.start():
         return _stop(server, "stopping tritonserver (the gateway did not start) ...")
@@ -103,8 +106,8 @@ def serve(args: argparse.Namespace) -> int:
         f" = ${ADMIN_KEY_ENV}" if os.environ.get(ADMIN_KEY_ENV) else f" (locked: set {ADMIN_KEY_ENV} to use them)"
     )
     print(
-        f"\ntriton-embed is ready: model 'embed'\n"
-        f"  HTTP    http://{server.http_url}   (curl http://{server.http_url}/v2/models/embed)\n"
+        f"\ntriton-embed is ready: {'models' if len(models) > 1 else 'model'} {', '.join(models)}\n"
+        f"  HTTP    http://{server.http_url}   (curl http://{server.http_url}/v2/models/{models[0]})\n"
         f"  gRPC    {server.grpc_url}\n"
         f"  metrics {server.metrics_url}\n"
         f"{gateway.banner() if gateway else ''}"
@@ -132,12 +135,16 @@ def serve(args: argparse.Namespace) -> int:
 class Gateway:
     """The embeddings HTTP gateway (``python -m triton_embed_gateway``) as a child process, on ``host:port``."""
 
-    def __init__(self, grpc_url: str, host: str, port: int, admin_key: str | None = None) -> None:
-        """``admin_key``: Triton's admin key, with which the gateway sets Triton's trace rate."""
+    def __init__(self, grpc_url: str, host: str, port: int, models: list[str], admin_key: str | None = None) -> None:
+        """Start nothing yet; ``models``: the ensembles it serves, the first the default.
+
+        ``admin_key``: Triton's admin key, with which the gateway sets Triton's trace rate.
+        """
         self._env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '', '::') else host}:{port}"  # noqa: S104
         self._command = [
             sys.executable, "-m", "triton_embed_gateway", "--triton", grpc_url, "--host", host, "--port", str(port),
+            *(arg for model in models for arg in ("--model", model)),
         ]  # fmt: skip
         self._process: subprocess.Popen[bytes] | None = None
 

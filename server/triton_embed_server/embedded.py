@@ -27,14 +27,22 @@ from pathlib import Path
 from triton_embed_protocol.overload import InFlight
 
 from triton_embed_server.drain import DrainError, drain
-from triton_embed_server.layout import DEFAULT_BUILD_DIR, REPO_ROOT, assemble_backends, find_layout, server_environment
+from triton_embed_server.layout import (
+    DEFAULT_BUILD_DIR,
+    DEFAULT_MODEL_REPOSITORY,
+    assemble_backends,
+    find_layout,
+    server_environment,
+)
 from triton_embed_server.shm import backend_regions, remove_orphans
 from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, finish_stop, group_members
 
-DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-READY_MODEL = "embed"
 log = logging.getLogger("triton_embed_server")
 ADMIN_KEY_ENV = "TRITON_EMBED_ADMIN_KEY"
+SEVERAL_MODELS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""With several models, each encoder's OpenMP threads sleep between parallel regions instead of spinning: on 2 CPU
+cores two spinning encoders served 15 texts/s at p99 1.5 s, sleeping ones 170/s at 130 ms (docs/benchmarks.md,
+"Several models on one CPU"); alone, spinning serves up to 15% more, so one model keeps it."""
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 """Triton API groups that need the admin header; the rest (inference, health, metadata, statistics) stay open."""
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -282,9 +290,8 @@ class EmbeddedServer:
                 )
         ports = {k: getattr(self.config, k) or free_port() for k in ("http_port", "grpc_port", "metrics_port")}
         self.config = replace(self.config, **ports, admin_key=self.config.admin_key or secrets.token_urlsafe(24))
-        model_pt = self.config.model_repository / "encoder" / "1" / "model.pt"
-        if not model_pt.is_file():
-            raise ServerError(f"{model_pt} not found: run `make model` first")
+        if not any(self.config.model_repository.glob("*/1/model.pt")):
+            raise ServerError(f"no model exported in {self.config.model_repository}: run `make model` first")
         stdout = None
         if self.config.log_file is not None:
             self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -295,7 +302,7 @@ class EmbeddedServer:
             self._regions_before = backend_regions()
         self._process = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
             argv,
-            env=server_environment(find_layout()),
+            env=self._environment(),
             stdout=stdout,
             stderr=subprocess.STDOUT if stdout else None,
             stdin=subprocess.DEVNULL,
@@ -312,6 +319,18 @@ class EmbeddedServer:
                 admin_key=self.config.admin_key,
             ).start()
         return self
+
+    def _environment(self) -> dict[str, str]:
+        """The environment of tritonserver (``layout.server_environment``).
+
+        With more than one model in the repository, :data:`SEVERAL_MODELS_ENV` too, unless the caller's environment
+        sets those variables itself.
+        """
+        env = server_environment(find_layout())
+        if len(self.ensembles()) > 1:
+            for key, value in SEVERAL_MODELS_ENV.items():
+                env.setdefault(key, value)
+        return env
 
     def is_alive(self) -> bool:
         """True while the tritonserver process runs."""
@@ -331,16 +350,27 @@ class EmbeddedServer:
         return self._process.pid if self._process else None
 
     def is_ready(self) -> bool:
-        """True when ``GET /v2/models/embed/ready`` answers 200."""
-        url = f"http://{self.http_url}/v2/models/{READY_MODEL}/ready"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - our own http:// URL
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
+        """True when ``GET /v2/models/<name>/ready`` answers 200 for every ensemble (:meth:`ensembles`)."""
+        for name in self.ensembles():
+            try:
+                url = f"http://{self.http_url}/v2/models/{name}/ready"
+                with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - our own http:// URL
+                    if response.status != 200:
+                        return False
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                return False
+        return True
+
+    def ensembles(self) -> list[str]:
+        """The models ``make model`` exported into the repository: the folders whose config is an ensemble."""
+        return sorted(
+            cfg.parent.name
+            for cfg in self.config.model_repository.glob("*/config.pbtxt")
+            if 'platform: "ensemble"' in cfg.read_text()
+        )
 
     def wait_ready(self, timeout_s: float = 180.0, cancel: StopFlag | threading.Event | None = None) -> EmbeddedServer:
-        """Block until the ``embed`` ensemble is READY, or ``cancel`` is set.
+        """Block until every model is READY, or ``cancel`` is set.
 
         Raises:
             StartupCancelled: ``cancel`` was set first (``serve`` sets it on SIGTERM/SIGINT: loading the model
@@ -359,7 +389,7 @@ class EmbeddedServer:
             if self.is_ready() and listens_on(self.pid, self.config.http_port):
                 return self
             time.sleep(0.25)
-        raise ServerError(f"model '{READY_MODEL}' not ready after {timeout_s:.0f} s{self._log_tail()}")
+        raise ServerError(f"models not ready after {timeout_s:.0f} s{self._log_tail()}")
 
     def stop(self) -> int | None:
         """Drain, stop tritonserver (SIGINT, then SIGKILL after ``exit_timeout_s + 10`` s); return its exit code.
@@ -377,12 +407,12 @@ class EmbeddedServer:
             self.watchdog = None
         if self.is_alive() and self.is_ready():
             try:
-                took = drain(self.http_url, READY_MODEL, self.admin_headers("http"), self.config.exit_timeout_s)
+                took = drain(self.http_url, None, self.admin_headers("http"), self.config.exit_timeout_s)
             except DrainError as exc:
                 log.warning("no drain (%s); stopping anyway", exc)
             else:
                 if took is None:
-                    log.warning("'%s' did not drain within %d s; stopping", READY_MODEL, self.config.exit_timeout_s)
+                    log.warning("the ensembles did not drain within %d s; stopping", self.config.exit_timeout_s)
         process, self._process = self._process, None
         code = None
         if process is not None:

@@ -1,6 +1,12 @@
-"""Export a sentence-transformers model into the Triton model repository.
+"""Export a sentence-transformers model into the served Triton model repository, as one named model.
 
-Writes these artifacts, all git-ignored (``ARTIFACTS``):
+A model ``<name>`` is three Triton models (``triton_embed_protocol.step_names``): the ensemble ``<name>``, its
+tokenizer step and its encoder step (``embed``, ``tokenizer``, ``encoder`` for the default name). Their configs are
+written from the tracked templates in ``model_repository/`` (``layout.TEMPLATES``) with the names, the embedding
+width, the token limit, the bucket lengths and the precision of the exported model; the repository they go to
+(``layout.DEFAULT_MODEL_REPOSITORY``, ``.build/model_repository``) is generated, so an export never changes a tracked
+file, and models exported under other names stay beside it. With the configs, these artifacts (``ARTIFACTS``, paths
+of the default name):
 
 * ``encoder/1/model.pt``: TorchScript ``(input_ids int64 [B, T], attention_mask int64 [B, T]) -> float32 [B, dim]``
   doing the transformer, pooling over the mask and L2 normalisation.
@@ -29,10 +35,11 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from triton_embed_server import precision as precision_rules
+from triton_embed_protocol import DEFAULT_MODEL, model_of_step, step_names
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+from triton_embed_server import precision as precision_rules
+from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TEMPLATES
+
 BUCKETS_FILE = REPO_ROOT / "python_backends" / "torchscript" / "buckets.py"
 MAX_ABS_DIFF = 1e-5
 """Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
@@ -49,7 +56,10 @@ ARTIFACTS = (
     "tokenizer/1/tokenizer.json",
     "tokenizer/1/prompts.json",
 )
-"""What ``make model`` writes into the model repository (git-ignored); the rest of the repository is configs."""
+"""What ``make model`` writes beside the configs, for the default name (:func:`artifacts` for another)."""
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A model's name: a letter or digit, then up to 63 letters, digits, ``_``, ``-`` or ``.`` (a Triton model name, a
+folder name and a URL path segment alike)."""
 
 # Texts of many lengths and scripts for the self-check: empty, one character, non-Latin scripts, emoji, and
 # texts past max_seq_length so truncation is checked too.
@@ -95,6 +105,8 @@ class ExportManifest:
         precision_reason: the choice's one-line reason.
         min_cosine: the served module's lowest cosine to fp32 sentence-transformers over the calibration texts.
         gate: what the precision gate ran against (:func:`gate_key`): its bound and the corpus's digest.
+        precision_setting: the precision the export was given (``auto``, ``fp32``, ...), which a later ``make model``
+            or ``make serve`` without ``PRECISION`` keeps.
     """
 
     source: str
@@ -112,6 +124,42 @@ class ExportManifest:
     precision_reason: str
     min_cosine: float
     gate: str
+    precision_setting: str = "auto"
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a model (:data:`NAME_RULE`, and no step's name), or None when it can."""
+    if not NAME_RULE.fullmatch(name):
+        return f"a model's name is a letter or digit, then up to 63 letters, digits, '_', '-' or '.'; got {name!r}"
+    try:
+        model_of_step(name)
+    except ValueError:
+        return None
+    return f"{name!r} names a step ('tokenizer', 'encoder', '<model>_tokenizer', '<model>_encoder'): choose another"
+
+
+def artifacts(name: str = DEFAULT_MODEL) -> tuple[str, ...]:
+    """:data:`ARTIFACTS` of the model ``name``: paths relative to the repository."""
+    tokenizer, encoder = step_names(name)
+    return tuple(a.replace("encoder/", f"{encoder}/").replace("tokenizer/", f"{tokenizer}/") for a in ARTIFACTS)
+
+
+def manifest_file(repository: Path, name: str = DEFAULT_MODEL) -> Path:
+    """Where the model ``name``'s :class:`ExportManifest` lives in ``repository``."""
+    return repository / step_names(name)[1] / "1" / MANIFEST_NAME
+
+
+def served_models(repository: Path) -> dict[str, dict]:
+    """Every model exported into ``repository``: name -> its manifest (``ExportManifest`` fields), by name."""
+    models = {}
+    for manifest in sorted(repository.glob(f"*/1/{MANIFEST_NAME}")):
+        try:
+            name = model_of_step(manifest.parents[1].name)
+        except ValueError:
+            continue
+        if (repository / name / "config.pbtxt").is_file():
+            models[name] = json.loads(manifest.read_text())
+    return models
 
 
 def default_model_path() -> Path:
@@ -132,10 +180,11 @@ def source_digest(model_path: Path) -> str:
 
 
 def exporter_digest() -> str:
-    """sha256 of the exporter's sources (this file, the module wrapper and the bucket rules it writes)."""
+    """sha256 of the exporter's sources: this file, the module wrapper, the bucket rules and the config templates."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for path in (here / "export.py", here / "encoder_module.py", here / "precision.py", BUCKETS_FILE):
+    templates = sorted(TEMPLATES.glob("*/config.pbtxt")) + sorted(TEMPLATES.glob("*/configs/*.pbtxt"))
+    for path in (here / "export.py", here / "encoder_module.py", here / "precision.py", BUCKETS_FILE, *templates):
         h.update(path.read_bytes())
     h.update(precision_rules.CALIBRATION_FILE.read_bytes())
     return h.hexdigest()
@@ -153,14 +202,18 @@ def gate_key(min_cosine: float, corpus: Path | None = None) -> str:
     return key
 
 
-def is_up_to_date(model_path: Path, repository: Path, precision: str = "fp32", gate: str | None = None) -> bool:
-    """True when the artifacts exist and the manifest names the same source, exporter, precision and gate.
+def is_up_to_date(
+    model_path: Path, repository: Path, precision: str = "fp32", gate: str | None = None, name: str = DEFAULT_MODEL
+) -> bool:
+    """True when the model ``name`` is exported from the same source, exporter, precision and gate.
 
+    Its artifacts and configs must exist.
     ``precision`` is the one chosen before the gate (an fp32 fallback from bf16 is up to date for bf16 until the
     gate or the corpus changes); ``gate`` a :func:`gate_key`, None for any.
     """
-    manifest = repository / "encoder" / "1" / MANIFEST_NAME
-    if not all((repository / name).is_file() for name in ARTIFACTS):
+    manifest = manifest_file(repository, name)
+    configs = [f"{step}/config.pbtxt" for step in (name, *step_names(name))]
+    if not all((repository / path).is_file() for path in (*artifacts(name), *configs)):
         return False
     old = json.loads(manifest.read_text())
     return (
@@ -244,21 +297,56 @@ def set_config_dims(
         The config files that changed (empty when they already said all of it).
     """
     changed = []
-    pattern = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
-    limit = re.compile(r'string_value: "\d+" \}(\s*# max-seq-length)')
-    served_at = re.compile(r'string_value: "\w*" \}(\s*# precision)')
     for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
         text = cfg.read_text()
-        new = pattern.sub(rf"dims: [ {dim} ]\1", text)
-        if max_seq_length is not None:
-            new = limit.sub(rf'string_value: "{max_seq_length}" }}\1', new)
-            new = set_bucket_lengths(new, max_seq_length)
-        if precision is not None:
-            new = served_at.sub(rf'string_value: "{precision}" }}\1', new)
+        new = _model_values(text, dim, max_seq_length, precision)
         if new != text:
             cfg.write_text(new)
             changed.append(cfg)
     return changed
+
+
+_WIDTH = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
+_LIMIT = re.compile(r'string_value: "\d+" \}(\s*# max-seq-length)')
+_PRECISION = re.compile(r'string_value: "\w*" \}(\s*# precision)')
+_NAMES = re.compile(r'^(name|\s*model_name): "(embed|tokenizer|encoder)"', re.MULTILINE)
+
+
+def _model_values(text: str, dim: int, max_seq_length: int | None, precision: str | None) -> str:
+    """A config's text with the width, the limit and buckets (when given) and the precision (when given) set."""
+    new = _WIDTH.sub(rf"dims: [ {dim} ]\1", text)
+    if max_seq_length is not None:
+        new = _LIMIT.sub(rf'string_value: "{max_seq_length}" }}\1', new)
+        new = set_bucket_lengths(new, max_seq_length)
+    if precision is not None:
+        new = _PRECISION.sub(rf'string_value: "{precision}" }}\1', new)
+    return new
+
+
+def write_configs(repository: Path, name: str, manifest: ExportManifest, templates: Path = TEMPLATES) -> list[Path]:
+    """Write the model ``name``'s configs into ``repository`` from ``templates``, with its ensemble's version folder.
+
+    Each template folder (``embed``, ``tokenizer``, ``encoder``: ``config.pbtxt`` and ``configs/*.pbtxt``) goes to
+    the folder :func:`step_names` names, with the names inside set alike and the manifest's width, token limit,
+    buckets and precision.
+
+    Returns:
+        The files written (those whose text changed).
+    """
+    tokenizer, encoder = step_names(name)
+    renames = {"embed": name, "tokenizer": tokenizer, "encoder": encoder}
+    written = []
+    for template, target in renames.items():
+        source = templates / template
+        for cfg in [source / "config.pbtxt", *sorted((source / "configs").glob("*.pbtxt"))]:
+            text = _NAMES.sub(lambda m: f'{m[1]}: "{renames[m[2]]}"', cfg.read_text())
+            text = _model_values(text, manifest.dim, manifest.max_seq_length, manifest.precision)
+            dst = repository / target / cfg.relative_to(source)
+            if not dst.is_file() or dst.read_text() != text:
+                _atomic_write(dst, lambda p, text=text: Path(p).write_text(text))
+                written.append(dst)
+        (repository / target / "1").mkdir(parents=True, exist_ok=True)
+    return written
 
 
 def export(
@@ -270,8 +358,10 @@ def export(
     device: str = "cpu",
     min_cosine: float | None = None,
     corpus: Path | None = None,
+    name: str = DEFAULT_MODEL,
+    templates: Path = TEMPLATES,
 ) -> ExportManifest:
-    """Trace, check and write the encoder and tokenizer artifacts for ``model_path``.
+    """Trace, check and write the model ``name`` (its configs, encoder and tokenizer artifacts) for ``model_path``.
 
     The module is traced at fp32 first and must equal sentence-transformers within ``MAX_ABS_DIFF`` on
     ``CHECK_TEXTS``; then, when the chosen precision (``precision.choose``) is bf16 or fp16, traced again at it, and
@@ -288,6 +378,9 @@ def export(
         device: ``cpu`` or ``gpu``, where the served config runs (what ``auto`` picks for).
         min_cosine: the gate, a cosine in (0, 1]; None: ``precision.DEFAULT_MIN_COSINE``.
         corpus: the user's texts, one per line, added to the calibration texts.
+        name: the model's name (:data:`NAME_RULE`): its ensemble and steps (``step_names``); other models in
+            ``repository`` stay as they are.
+        templates: the config templates (default: this checkout's ``model_repository/``).
 
     An export is up to date (nothing is written) when the repository holds this model from this exporter at the
     same chosen precision, and, when ``min_cosine`` or ``corpus`` is given, through the same gate: an export with a
@@ -301,17 +394,19 @@ def export(
             holds a device constant or fails to run with weights and inputs on the ``meta`` device, or an explicit
             reduced precision falls below ``min_cosine``.
         ValueError: the model's pooling is not one of ``encoder_module.POOLINGS``, its tokenizer is not a fast one,
-            it needs code of its own (``encoder_module.remote_code_problem``), or ``precision``, ``device`` or
-            ``min_cosine`` is out of range.
+            it needs code of its own (``encoder_module.remote_code_problem``), or ``precision``, ``device``,
+            ``min_cosine`` or ``name`` is out of range.
     """
+    if problem := name_problem(name):
+        raise ValueError(problem)
     asked_gate = min_cosine is not None or corpus is not None
     min_cosine = precision_rules.DEFAULT_MIN_COSINE if min_cosine is None else min_cosine
     if not 0 < min_cosine <= 1:
         raise ValueError(f"the precision gate (MIN_COSINE, --min-cosine) must be in (0, 1]; got {min_cosine}")
     choice = precision_rules.choose(precision, device, precision_rules.cpu_flags())
     gate = gate_key(min_cosine, corpus)
-    manifest_path = repository / "encoder" / "1" / MANIFEST_NAME
-    if not force and is_up_to_date(model_path, repository, choice.precision, gate if asked_gate else None):
+    manifest_path = manifest_file(repository, name)
+    if not force and is_up_to_date(model_path, repository, choice.precision, gate if asked_gate else None, name):
         return ExportManifest(**json.loads(manifest_path.read_text()))
 
     import torch
@@ -362,14 +457,15 @@ def export(
         precision_reason=choice.reason,
         min_cosine=worst_cosine,
         gate=gate,
+        precision_setting=precision,
     )
-    _atomic_write(repository / "tokenizer" / "1" / "tokenizer.json", tokenizer.save)
+    tokenizer_dir, encoder_dir = (repository / step / "1" for step in step_names(name))
+    _atomic_write(tokenizer_dir / "tokenizer.json", tokenizer.save)
     prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
-    _atomic_write(repository / "tokenizer" / "1" / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
-    _atomic_write(repository / "encoder" / "1" / "model.pt", lambda p: torch.jit.save(traced, p))
+    _atomic_write(tokenizer_dir / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
+    _atomic_write(encoder_dir / "model.pt", lambda p: torch.jit.save(traced, p))
+    write_configs(repository, name, manifest, templates)
     _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
-    for cfg in set_config_dims(repository, manifest.dim, manifest.max_seq_length, manifest.precision):
-        print(f"set the model's values in {cfg.relative_to(repository.parent)}", file=sys.stderr)
     if manifest.max_seq_length > LONG_CONTEXT_NOTE:
         print(
             f"note: max_seq_length {manifest.max_seq_length}: every bucket length up to it warms up at load, minutes "
@@ -501,20 +597,22 @@ def _embed_like_server(tokenizer, traced, texts: list[str]):
         return traced(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
 
 
-def chosen_model(requested: str | None, repository: Path) -> tuple[Path, str]:
-    """The folder to export and why: ``(path, note)``, the note empty unless it says something the user should know.
+def chosen_model(requested: str | None, repository: Path, name: str = DEFAULT_MODEL) -> tuple[Path, str]:
+    """The folder to export as the model ``name`` and why: ``(path, note)``, the note empty unless it matters.
 
-    ``requested``: a folder, ``"default"`` (the packaged all-MiniLM-L6-v2), or None: the model this repository holds
-    (its manifest's source, when that folder is still there), else the packaged one. So ``make serve`` after
-    ``make model MODEL=...`` serves that model.
+    ``requested``: a folder, ``"default"`` (the packaged all-MiniLM-L6-v2), or None: the model ``name`` this
+    repository holds (its manifest's source, when that folder is still there), else the packaged one. So
+    ``make serve`` after ``make model MODEL=...`` serves that model.
     """
     if requested and requested != "default":
         return Path(requested).resolve(), ""  # the packaged model need not be installed
-    manifest = repository / "encoder" / "1" / MANIFEST_NAME
+    manifest = manifest_file(repository, name)
     current = Path(json.loads(manifest.read_text())["source"]) if manifest.is_file() else None
     default = default_model_path()
     if requested is None and current is not None and current != default and (current / "modules.json").is_file():
-        return current, "kept the model exported last (`make model MODEL=default` goes back to all-MiniLM-L6-v2)"
+        named = "" if name == DEFAULT_MODEL else f" NAME={name}"
+        back = f"`make model MODEL=default{named}` goes back to all-MiniLM-L6-v2"
+        return current, f"kept the model exported last ({back})"
     if current is not None and current != default:
         return default, f"replaced the exported {current} with the packaged all-MiniLM-L6-v2"
     return default, ""
@@ -536,21 +634,43 @@ def check_model_folder(path: Path) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m triton_embed_server.export [--model PATH|default] [--precision P] [--device D] ...``."""
+def remove(repository: Path, name: str) -> list[Path]:
+    """Delete the model ``name`` (its ensemble and steps) from ``repository``; the folders that were there."""
+    import shutil
+
+    gone = [repository / step for step in (name, *step_names(name)) if (repository / step).is_dir()]
+    for folder in gone:
+        shutil.rmtree(folder)
+    return gone
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911, PLR0912 - one command line, one message per outcome
+    """``python -m triton_embed_server.export [--model PATH|default] [--name N] [--precision P] ...``.
+
+    Without ``--model`` and ``--name``: every model the repository holds, each brought up to date as it was exported
+    (the packaged model as ``embed`` when it holds none).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model",
         help="sentence-transformers folder, or 'default' for the packaged all-MiniLM-L6-v2 "
-        "(without it: the model the repository holds, else the packaged one)",
+        "(without it: the model the repository holds under --name, else the packaged one)",
     )
+    parser.add_argument(
+        "--name",
+        help=f"the model's name: its ensemble, served beside the others (default {DEFAULT_MODEL}; without --model "
+        "either: every model the repository holds)",
+    )
+    parser.add_argument("--remove", metavar="NAME", help="delete the model NAME from the repository and stop")
     parser.add_argument("--repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--templates", type=Path, default=TEMPLATES, help="the config templates (%(default)s)")
     parser.add_argument("--force", action="store_true", help="export even if the artifacts are up to date")
     parser.add_argument(
         "--precision",
         choices=precision_rules.CHOICES,
-        default="auto",
-        help="what the encoder computes at; auto: fp16 for --device gpu, bf16 on a CPU with native bf16, else fp32",
+        default=None,
+        help="what the encoder computes at; auto: fp16 for --device gpu, bf16 on a CPU with native bf16, else fp32 "
+        "(default: what the model was exported with, else auto)",
     )
     parser.add_argument("--device", choices=precision_rules.DEVICES, default="cpu", help="where the config serves")
     parser.add_argument(
@@ -562,40 +682,55 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--corpus", type=Path, help="your texts, one per line: the first 512 join the calibration")
     args = parser.parse_args(argv)
-    model_path, note = chosen_model(args.model, args.repository)
-    problem = check_model_folder(model_path)
-    if problem:
-        parser.error(problem)
+    if args.remove is not None:
+        gone = remove(args.repository, args.remove)
+        print(f"model '{args.remove}': {'removed' if gone else 'not in'} {args.repository}")
+        return 0 if gone else 1
+    if args.name is not None and (problem := name_problem(args.name)):
+        parser.error(f"--name: {problem}")
     if args.corpus is not None and not args.corpus.is_file():
         parser.error(f"--corpus {args.corpus} is not a file")
-    manifest_path = args.repository / "encoder" / "1" / MANIFEST_NAME
-    written_before = manifest_path.stat().st_mtime_ns if manifest_path.is_file() else None
-    try:
-        manifest = export(
-            model_path,
-            args.repository,
-            force=args.force,
-            precision=args.precision,
-            device=args.device,
-            min_cosine=args.min_cosine,
-            corpus=args.corpus,
+    served = served_models(args.repository)
+    if args.model is None and args.name is None and served:
+        jobs: list[tuple[str, str | None]] = [(name, None) for name in served]
+    else:
+        jobs = [(args.name or DEFAULT_MODEL, args.model)]
+    for name, requested in jobs:
+        model_path, note = chosen_model(requested, args.repository, name)
+        problem = check_model_folder(model_path)
+        if problem:
+            parser.error(f"model '{name}': {problem}")
+        before = served.get(name, {})
+        kept = before.get("precision_setting") if before.get("source") == str(model_path) else None
+        path = manifest_file(args.repository, name)
+        written_before = path.stat().st_mtime_ns if path.is_file() else None
+        try:
+            manifest = export(
+                model_path,
+                args.repository,
+                force=args.force,
+                precision=args.precision or kept or "auto",
+                device=args.device,
+                min_cosine=args.min_cosine,
+                corpus=args.corpus,
+                name=name,
+                templates=args.templates,
+            )
+        except (ExportCheckError, ValueError) as exc:
+            print(f"export failed: model '{name}': {exc}", file=sys.stderr)
+            return 1
+        state = "up to date" if written_before is not None and path.stat().st_mtime_ns == written_before else "exported"
+        print(
+            f"model '{name}' {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, "
+            f"{manifest.attention} attention, dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling "
+            f"{manifest.pooling}, max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g} at fp32)"
         )
-    except (ExportCheckError, ValueError) as exc:
-        print(f"export failed: {exc}", file=sys.stderr)
-        return 1
-    written_after = manifest_path.stat().st_mtime_ns if manifest_path.is_file() else None
-    state = "up to date" if written_before is not None and written_after == written_before else "exported"
-    print(
-        f"model {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, {manifest.attention} "
-        f"attention, dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling {manifest.pooling}, "
-        f"max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g} at fp32)"
-    )
-    print(
-        f"precision: {manifest.precision} ({manifest.precision_reason}), min cosine to fp32 sentence-transformers "
-        f"{manifest.min_cosine:.7f} over the calibration texts"
-    )
-    if note:
-        print(f"model: {note}")
+        print(
+            f"precision: {manifest.precision} ({manifest.precision_reason}), min cosine to fp32 sentence-transformers "
+            f"{manifest.min_cosine:.7f} over the calibration texts"
+        )
+        if note:
+            print(f"model '{name}': {note}")
     return 0
 
 

@@ -23,6 +23,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON_BACKENDS = REPO_ROOT / "python_backends"
 DEFAULT_BUILD_DIR = REPO_ROOT / ".build"
+TEMPLATES = REPO_ROOT / "model_repository"
+"""The tracked configs of one model (``embed``: the ensemble, ``tokenizer``, ``encoder``) that ``make model`` fills in
+for each model it exports."""
+DEFAULT_MODEL_REPOSITORY = DEFAULT_BUILD_DIR / "model_repository"
+"""The repository ``make model`` writes and ``make serve`` serves (git-ignored, under the build folder)."""
 
 
 class LayoutError(RuntimeError):

@@ -15,6 +15,7 @@ from triton_embed_protocol.overload import (
     InFlight,
     RefusalHold,
     admit,
+    capacity_share,
     is_bulk,
     request_budget_ms,
     shed,
@@ -96,6 +97,29 @@ def test_the_door_weighs_texts_and_a_request_larger_than_the_limit_runs_alone():
     assert admit(in_flight=0, limit=4, texts=[6, 1]) == {1: admit(in_flight=6, limit=4, texts=[1])[0]}
 
 
+def state(count: int, limit: int, bulk: int = 0) -> DoorState:
+    """A model's view with ``count`` interactive and ``bulk`` bulk texts in flight behind a door of ``limit``."""
+    return DoorState(count, limit, 0, 0, 0, bulk)
+
+
+def test_models_of_one_server_share_the_machine_and_each_keeps_an_equal_part_however_full_the_others_are():
+    assert capacity_share([]) == 1.0  # alone: its whole door
+    assert capacity_share([state(0, 40), state(0, 0, 0)]) == 1.0  # the others idle
+    assert capacity_share([state(10, 40)]) == 0.75  # a quarter of the other's door in use: three quarters left
+    assert capacity_share([state(30, 40, bulk=10)]) == 0.5  # the other's door full (bulk counts): an equal part
+    assert capacity_share([state(40, 40), state(500, 1024)]) == pytest.approx(1 / 3)
+    assert capacity_share([state(9, 0)]) == 1.0  # a model without a door is not counted
+
+
+def test_the_door_shrinks_to_its_share_and_the_refusal_says_why():
+    refused = admit(in_flight=15, limit=32, texts=[1, 1], share=0.5, max_in_flight=32)
+    assert sorted(refused) == [1]  # 16 of 32
+    assert refused[1].startswith("overloaded[shared]: 16 texts are in flight") and "the limit is 16 texts" in refused[1]
+    assert "50% of this model's door, the other models of this server holding the rest" in refused[1]
+    assert admit(in_flight=0, limit=32, texts=[1], share=0.0) == {}  # nothing in flight: admitted
+    assert admit(in_flight=1, limit=32, texts=[1], share=0.01) == {0: admit(1, 1, [1], share=0.01)[0]}  # at least 1
+
+
 def test_no_limit_refuses_nothing():
     assert admit(in_flight=10_000, limit=0, texts=[64] * 64) == {}
 
@@ -159,13 +183,14 @@ def test_a_refusal_under_a_flood_names_the_lowered_limit_and_both_knobs():
     assert "FLOOD_LATENCY_MS, 100 ms, from half of MAX_IN_FLIGHT to all of it, 32, in" in refused[0]
 
 
-def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_itself(tmp_path):
+def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itself(tmp_path):
     (tmp_path / "repo" / "tokenizer").mkdir(parents=True)
     (tmp_path / "repo" / "encoder").mkdir()
     (tmp_path / "other" / "encoder").mkdir(parents=True)
-    tokenizer = InFlight(tmp_path / "repo" / "tokenizer")
-    encoder = InFlight(tmp_path / "repo" / "encoder")
-    elsewhere = InFlight(tmp_path / "other" / "encoder")
+    tokenizer = InFlight(tmp_path / "repo" / "tokenizer", "embed")
+    encoder = InFlight(tmp_path / "repo" / "encoder", "embed")
+    elsewhere = InFlight(tmp_path / "other" / "encoder", "embed")
+    beside = InFlight(tmp_path / "repo" / "multi_encoder", "multi")  # another model of the same repository
     try:
         encoder.reset(32, 1_000_000_000, 100_000_000)  # MAX_IN_FLIGHT, REFUSAL_HOLD_MS, FLOOD_LATENCY_MS
         tokenizer.reset()  # a tokenizer loading keeps them
@@ -176,6 +201,9 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
         assert encoder.door()[0] == 5 and elsewhere.door()[0] == 0  # another repository (or server) has its own
+        assert beside.door()[0] == 0  # and so has another model, which sees this one's among the others
+        assert [o.count for o in beside.others()] == [5] and [o.count for o in tokenizer.others()] == [0]
+        assert elsewhere.others() == []
         assert encoder.answered(3) == 2
         assert tokenizer.door()[0] == 2  # the encoder went idle just now: the two may still reach it
         time.sleep(0.15)
@@ -190,7 +218,7 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_repository_and_heals_
         assert tokenizer.door()[0] == 0
         assert tokenizer.door().answered == 10  # every count-out, whatever the count did
     finally:
-        for count in (tokenizer, elsewhere):
+        for count in (tokenizer, elsewhere, beside):
             count.path.unlink(missing_ok=True)
 
 
@@ -200,6 +228,11 @@ class FakeFlight:
     def __init__(self, count: int = 0, bulk_in_flight: int = 64, interactive_ns: int = 0) -> None:
         self.state = DoorState(count, 32, S, S // 10, 0, 0, interactive_ns, bulk_in_flight, 256, 8)
         self.lock = threading.Lock()
+        self.beside: list[DoorState] = []  # the other models' views
+
+    def others(self) -> list[DoorState]:
+        with self.lock:
+            return list(self.beside)
 
     def door(self) -> DoorState:
         with self.lock:
@@ -244,6 +277,25 @@ def test_the_bulk_lane_hands_on_in_order_within_its_share_and_refuses_past_its_q
         assert sent == ["a", "b", "c"]  # 32 + 64 > 64
         flight.answer(32)
         wait_for(lambda: sent == ["a", "b", "c", "d"])  # none in flight: the head goes, whatever its size
+    finally:
+        lane.close()
+
+
+def test_the_lane_takes_its_models_share_of_the_machine_beside_a_busy_model():
+    flight = FakeFlight(count=1)
+    lane = BulkLane(flight)  # type: ignore[arg-type]
+    assert lane.share(flight.door(), time.monotonic_ns(), []) == 64
+    assert lane.share(flight.door(), time.monotonic_ns(), [state(40, 40)]) == 32  # the other's door full: half
+    flight.beside = [state(40, 40)]
+    sent: list[str] = []
+    try:
+        for name in "abc":
+            assert lane.offer(32, lambda n=name: sent.append(n), bulk_queue=0) is None
+        wait_for(lambda: sent == ["a"])
+        time.sleep(0.05)
+        assert sent == ["a"]  # 32 texts fill half the share
+        flight.beside = []
+        wait_for(lambda: sent == ["a", "b"])  # the other model went idle: the whole share
     finally:
         lane.close()
 
