@@ -180,12 +180,18 @@ def entrypoint_env(**extra: str) -> dict[str, str]:
 
 
 def sync_model_repository(
-    tmp: Path, *, configs: Path = ROOT / "model_repository", model: Path | None = None
+    tmp: Path,
+    *,
+    configs: Path = ROOT / "model_repository",
+    model: Path | None = None,
+    models: str = "",
+    models_root: Path | None = None,
 ) -> tuple[Path, subprocess.CompletedProcess]:
     """Run docker/sync-model-repository.sh as the model-export service does; return the repository it made.
 
     The image's baked artifacts are those `make model` wrote here (the packaged model); ``model``: a
-    sentence-transformers folder the script exports itself, as with MODEL set.
+    sentence-transformers folder the script exports itself, as with MODEL set; ``models``: MODELS, its folders in
+    ``models_root`` (where the service mounts MODELS_DIR).
     """
     import sys
 
@@ -193,15 +199,16 @@ def sync_model_repository(
     for rel in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
         (artifacts / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / ".build" / "model_repository" / rel, artifacts / rel)
-    models = tmp / "models"
-    models.mkdir()
-    (models / "left-over.pbtxt").write_text("from an older image")
-    args = [str(configs), str(artifacts), str(models), *([str(model)] if model else [])]
+    dest = tmp / "models"
+    dest.mkdir()
+    (dest / "left-over.pbtxt").write_text("from an older image")
+    args = [str(configs), str(artifacts), str(dest), *([str(model)] if model else [])]
+    env = os.environ | {"PYTHON": sys.executable, "MODELS": models, "MODELS_ROOT": str(models_root or tmp)}
     done = subprocess.run(
         ["bash", "docker/sync-model-repository.sh", *args], cwd=ROOT, capture_output=True, text=True, check=False,
-        timeout=600, env=os.environ | {"PYTHON": sys.executable},
+        timeout=600, env=env,
     )  # fmt: skip
-    return models, done
+    return dest, done
 
 
 def embedding_widths(repository: Path) -> dict[str, int]:
@@ -215,20 +222,25 @@ def embedding_widths(repository: Path) -> dict[str, int]:
 
 @contextlib.contextmanager
 def compose_server_running(
-    tmp: Path, model: Path | None = None, configs: Path = ROOT / "model_repository"
+    tmp: Path,
+    model: Path | None = None,
+    configs: Path = ROOT / "model_repository",
+    models: str = "",
+    models_root: Path | None = None,
 ) -> Iterator[ComposeServer]:
     """Sync the model repository as the model-export service does, start tritonserver with the compose command line.
 
     The command line is docker-compose's resolution of the `triton` service's ``command`` with ENCODER_CONFIG=cpu,
     run through docker/triton-entrypoint.sh with the CPU build of the same Triton; only the model repository path,
     the backend and cache folders (the image's defaults) and loopback ports differ. ``model``: as with MODEL set;
-    ``configs``: the host's model configs the sync copies (default: this checkout's).
+    ``configs``: the host's model configs the sync copies (default: this checkout's); ``models``, ``models_root``:
+    as :func:`sync_model_repository`'s.
     """
     from triton_embed_server.embedded import _spawn_args
     from triton_embed_server.layout import DEFAULT_BUILD_DIR, assemble_backends, find_layout
     from triton_embed_server.shm import backend_regions, remove_orphans
 
-    models, sync = sync_model_repository(tmp, configs=configs, model=model)
+    models, sync = sync_model_repository(tmp, configs=configs, model=model, models=models, models_root=models_root)
     assert sync.returncode == 0, sync.stderr
     # ENCODER_CONFIG=cpu: there is no configs/cpu.pbtxt, so Triton falls back to each model's config.pbtxt (the
     # CPU configs); gpu and libtorch need a GPU / the libtorch backend, which the CPU build lacks.

@@ -122,11 +122,14 @@ def test_triton_service():
         [
             f"{ROOT / 'model_repository'}:/src/configs:ro",
             f"{ROOT / 'docker' / 'no-model'}:/src/model:ro",  # MODEL unset: the packaged model, nothing exported
+            f"{ROOT / 'docker' / 'no-model'}:/src/models:ro",  # MODELS_DIR unset: no models beside it
             "model-repository:/models:rw",
         ]
     )
     assert export["build"]["target"] == "export" and export.get("restart") == "no"
-    assert export["environment"] == {"MODEL": "", "PRECISION": ""}  # unset: the image's export, as built
+    assert export["environment"] == {"MODEL": "", "MODELS": "", "PRECISION": ""}  # unset: the image's, as built
+    listed = resolved(MODELS_DIR="/data/models", MODELS="multi=e5")["services"]["model-export"]
+    assert "/data/models:/src/models:ro" in listed["volumes"] and listed["environment"]["MODELS"] == "multi=e5"
     # a failure at every start (a refused driver, a model that does not load) stops instead of looping
     assert triton["restart"] == "on-failure:5"
     health = triton["healthcheck"]
@@ -518,6 +521,14 @@ def test_dashboard_is_well_formed_and_covers_the_issue():
             assert panel["datasource"]["uid"] == uid and panel["targets"] and panel["description"], panel["title"]
             assert all(t["datasource"]["uid"] == uid for t in panel["targets"])
     exprs = " ".join(t["expr"] for _, t in dashboard_targets())
+    # one model or all at a time: the variable offers the ensembles Triton reports, none of their steps
+    (variable,) = dashboard["templating"]["list"]
+    assert variable["name"] == "model" and variable["multi"] and variable["includeAll"]
+    assert "label_values(nv_inference_request_success, model)" in variable["definition"]
+    reported = ["embed", "tokenizer", "encoder", "multi", "multi_tokenizer", "multi_encoder", "encoder_tokenizer"]
+    keep = re.compile(variable["regex"].strip("/"))
+    assert [name for name in reported if keep.fullmatch(name)] == ["embed", "multi"]
+    assert '{model=~"$model"' in exprs and 'model="embed"' not in exprs
     for needed in (
         "nv_inference_request_success",  # request rate
         "triton_embed_shed_requests_total",  # refusals, what TritonEmbedShedding fires on

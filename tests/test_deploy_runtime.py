@@ -4,7 +4,8 @@
   the model repository docker/sync-model-repository.sh assembles, with the CPU build of the same Triton (2.51.0):
   it serves, its healthcheck passes, its admin APIs are locked, it is the release the image is built from.
 * The model-export service's script exports a model given as MODEL (a small random BERT here) with every config's
-  embedding width set to the model's, and the compose command line serves it.
+  embedding width set to the model's, and the compose command line serves it; models listed in MODELS are served
+  beside it, and the compose gateway routes to each by name.
 * A real Prometheus (Debian's 2.42) with monitoring/prometheus/prometheus.yml scrapes that server and the GPU
   monitor's exporter (fed with recorded samples: no GPU here), evaluates the alert rules and every query of the
   Grafana dashboard.
@@ -105,6 +106,40 @@ def test_model_given_to_the_export_is_exported_and_served_with_its_width(tmp_pat
         vectors = client.embed(["A man is playing a guitar.", "Someone plays music.", "third"])
     assert vectors.shape == (3, 48)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+
+
+def test_models_listed_beside_the_default_are_served_and_the_compose_gateway_routes_each(tmp_path):
+    """MODELS=multi=FOLDER (a folder of MODELS_DIR): the export service adds the model as its own ensemble beside the
+    packaged `embed`, the compose command line serves both, and the gateway as compose starts it (--repository on
+    the same volume) lists both and answers each from its own model; a malformed entry stops the export."""
+    import shutil
+
+    from test_gateway import gateway_running, post
+
+    root = tmp_path / "models"
+    folder = small_sentence_transformer(root / "tiny", dim=48).relative_to(root)
+    _, done = sync_model_repository(tmp_path / "bad", models="multi", models_root=root)
+    assert done.returncode == 2 and "MODELS entry 'multi' is not NAME=FOLDER" in done.stderr
+    _, done = sync_model_repository(tmp_path / "absent", models="multi=nowhere", models_root=root)
+    assert done.returncode == 2 and f"{root}/nowhere is not a folder" in done.stderr
+    shutil.rmtree(tmp_path / "bad")
+    shutil.rmtree(tmp_path / "absent")
+    with compose_server_running(tmp_path / "serve", models=f"multi={folder}", models_root=root) as server:
+        widths = embedding_widths(server.models)
+        assert {w for path, w in widths.items() if path.startswith("multi")} == {48}
+        assert {w for path, w in widths.items() if not path.startswith("multi")} == {384}
+        command = resolved()["services"]["gateway"]["command"]
+        repository = [a.replace("=/models", f"={server.models}") for a in command if a.startswith("--repository=")]
+        assert repository, command
+        with gateway_running(server.grpc_url, tmp_path / "gateway.log", *repository) as base:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:  # noqa: S310 - our gateway
+                assert [m["id"] for m in json.loads(response.read())["data"]] == ["embed", "multi"]
+            for name, width in (("embed", 384), ("multi", 48)):
+                status, body, _ = post(f"{base}/v1/embeddings", {"model": name, "input": ["a guitar", "music"]})
+                assert status == 200 and body["model"] == name, body
+                vectors = np.array([d["embedding"] for d in body["data"]])
+                assert vectors.shape == (2, width)
+                np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3)
 
 
 def test_without_model_the_host_configs_get_the_packaged_models_width(tmp_path):
@@ -264,7 +299,7 @@ def test_every_dashboard_and_alert_query_names_real_metrics_and_returns_data(
         assert metric_names_in(expr) <= known, f"{expr} reads {metric_names_in(expr) - known}, which nobody exports"
 
     for title, target in dashboard_targets():
-        expr = target["expr"].replace("$__rate_interval", "1m")
+        expr = target["expr"].replace("$__rate_interval", "1m").replace("$model", "embed")  # as Grafana sends it
 
         def answered(expr=expr):
             result = prom_api(prometheus, "query", query=expr)["result"]

@@ -211,8 +211,17 @@ def test_the_init_container_exports_the_model_into_the_volume_triton_serves(over
                        "readOnly": True}]  # fmt: skip
     (volume,) = [v for v in spec["volumes"] if v["name"] == written["name"]]
     assert "emptyDir" in volume  # each pod exports its own: nothing shared to go stale
-    others = [m for c in spec["containers"] if c["name"] != "triton" for m in c.get("volumeMounts", [])]
+    # the gateway reads it only to learn the models it routes to (--repository)
+    gateway = container(spec, "gateway")
+    assert [m for m in gateway["volumeMounts"] if m["name"] == written["name"]] == [
+        {"name": written["name"], "mountPath": flag(gateway["args"], "--repository"), "readOnly": True}
+    ]
+    readers = {"triton", "gateway"}
+    others = [m for c in spec["containers"] if c["name"] not in readers for m in c.get("volumeMounts", [])]
     assert not [m for m in others if m["name"] == written["name"]]
+    # MODELS' folders come from a volume of their own, read-only
+    (source,) = [m for m in export["volumeMounts"] if m["mountPath"] == "/src/models"]
+    assert source["readOnly"] is True and {e["name"] for e in export["env"]} >= {"MODELS", "PRECISION"}
 
 
 # -- health, drain, disruption, scaling ---------------------------------------------------------------------------

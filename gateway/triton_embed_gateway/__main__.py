@@ -1,6 +1,7 @@
 """``triton-embed-gateway`` (``python -m triton_embed_gateway``): the embeddings HTTP API in front of one Triton.
 
-Several models: ``triton-embed-gateway --model embed --model multi --served-model-name multi=multilingual-e5-small``.
+Several models: ``triton-embed-gateway --model embed --model multi --served-model-name multi=multilingual-e5-small``,
+or ``--repository DIR``: every ensemble of the model repository Triton serves (compose and Kubernetes mount it).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
+from triton_embed_protocol import served_ensembles
 
 from triton_embed_gateway.app import ADMIN_HEADER, DEFAULT_PAYLOAD_LIMIT, GatewaySettings, build_app
 from triton_embed_gateway.protocol import DEFAULT_MAX_INPUTS
@@ -31,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
         "--model", action="append",
         help="an ensemble to serve, repeatable; the first is the TEI routes' and a request's without 'model' "
         "(default: embed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repository", type=Path, metavar="DIR",
+        help="serve every ensemble of the model repository DIR (embed first), after the --model ones",
     )  # fmt: skip
     p.add_argument(
         "--served-model-name", action="append", default=[], metavar="[MODEL=]ID",
@@ -66,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     except SamplingConfigError as exc:
         print(f"triton-embed-gateway: {exc}", file=sys.stderr)
         return 2
-    models = args.model or ["embed"]
+    models = list(args.model or [])
+    if args.repository is not None:
+        found = served_ensembles(args.repository)
+        if not found:
+            print(f"triton-embed-gateway: --repository {args.repository}: no ensemble in it", file=sys.stderr)
+            return 2
+        models += [name for name in found if name not in models]
+    models = models or ["embed"]
     names = {}
     for alias in args.served_model_name:
         model, _, name = alias.rpartition("=")

@@ -7,6 +7,7 @@ import it as ``triton_embed_protocol`` without editing ``sys.path``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 TEXT = "TEXT"
@@ -54,6 +55,19 @@ def model_of_step(step: str) -> str:
         if step.endswith(f"_{suffix}") and len(step) > len(suffix) + 1:
             return step[: -len(suffix) - 1]
     raise ValueError(f"a step is named 'tokenizer', 'encoder', '<model>_tokenizer' or '<model>_encoder'; got {step!r}")
+
+
+def served_ensembles(repository: Path) -> list[str]:
+    """The models a served model repository holds: its folders whose ``config.pbtxt`` is an ensemble.
+
+    :data:`DEFAULT_MODEL` first, then by name; empty when ``repository`` holds none (or is no folder).
+    """
+    names = [
+        cfg.parent.name
+        for cfg in repository.glob("*/config.pbtxt")
+        if 'platform: "ensemble"' in cfg.read_text(encoding="utf-8")
+    ]
+    return sorted(names, key=lambda name: (name != DEFAULT_MODEL, name))
 
 
 BUDGET = "latency_budget_ms"

@@ -92,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
         return 1
-    models = sorted(server.ensembles(), key=lambda name: (name != "embed", name))
+    models = server.ensembles()
     gateway = (
         Gateway(server.grpc_url, args.host, args.gateway_port, models, server.config.admin_key)
         if args.gateway_port

@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from triton_embed_protocol import served_ensembles
 from triton_embed_protocol.overload import InFlight
 
 from triton_embed_server.drain import DrainError, drain
@@ -362,12 +363,8 @@ class EmbeddedServer:
         return True
 
     def ensembles(self) -> list[str]:
-        """The models ``make model`` exported into the repository: the folders whose config is an ensemble."""
-        return sorted(
-            cfg.parent.name
-            for cfg in self.config.model_repository.glob("*/config.pbtxt")
-            if 'platform: "ensemble"' in cfg.read_text()
-        )
+        """The models ``make model`` exported into the repository (``served_ensembles``: ``embed`` first)."""
+        return served_ensembles(self.config.model_repository)
 
     def wait_ready(self, timeout_s: float = 180.0, cancel: StopFlag | threading.Event | None = None) -> EmbeddedServer:
         """Block until every model is READY, or ``cancel`` is set.

@@ -54,3 +54,19 @@ def test_no_model_has_a_queue_policy(path):
     """Triton 2.51 leaves requests waiting 500 ms in a queue that has one (see the configs; docs/benchmarks.md)."""
     config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
     assert not config.dynamic_batching.HasField("default_queue_policy")
+
+
+def test_a_served_repository_lists_its_ensembles_the_default_first_and_the_gateway_refuses_one_without(
+    tmp_path, capsys
+):
+    """What the gateway's --repository serves: the folders whose config is an ensemble, `embed` first."""
+    from triton_embed_gateway.__main__ import main
+    from triton_embed_protocol import served_ensembles
+
+    for name, platform in (("alpha", "ensemble"), ("embed", "ensemble"), ("alpha_encoder", "python")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\nplatform: "{platform}"\n')
+    assert served_ensembles(tmp_path) == ["embed", "alpha"]
+    assert served_ensembles(tmp_path / "absent") == []
+    assert main(["--repository", str(tmp_path / "absent")]) == 2
+    assert f"--repository {tmp_path / 'absent'}: no ensemble in it" in capsys.readouterr().err
