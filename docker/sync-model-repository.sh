@@ -29,9 +29,12 @@ if [[ ! -f "$configs/embed/config.pbtxt" ]]; then
 fi
 stage="$(mktemp -d)"
 trap 'rm -rf "$stage"' EXIT
-# configs only: the version folders' artifacts (*/1/*) come from the export, whatever the host holds
-(cd "$configs" && find . -path './*/[0-9]*/*' -prune -o -type f -exec cp --parents {} "$stage" \;)
-(cd "$configs" && find . -mindepth 2 -maxdepth 2 -type d -name '[0-9]*' -exec mkdir -p "$stage"/{} \;)
+# the default model's configs only (the other templates, a reranker's, are written by each MODELS export): the
+# version folders' artifacts (*/1/*) come from the export, whatever the host holds
+for step in embed tokenizer encoder; do
+    (cd "$configs" && find "$step" -path '*/[0-9]*/*' -prune -o -type f -exec cp --parents {} "$stage" \;)
+    (cd "$configs" && find "$step" -mindepth 1 -maxdepth 1 -type d -name '[0-9]*' -exec mkdir -p "$stage"/{} \;)
+done
 precision="${PRECISION:-}" device="${EXPORT_DEVICE:-gpu}"
 if [[ -n "$model" || -n "$precision" ]]; then
     echo "sync-model-repository: exporting ${MODEL:-${model:-the packaged model}} at precision ${precision:-auto}" >&2

@@ -14,6 +14,11 @@ longest text of that request in tokens (shorter rows padded with the pad id and 
 the encoder's overload control counts each request's wait (python_backends/triton_embed_protocol/overload.py); and
 ``token_count``, int64 ``[n_texts, 1]``: each text's tokens after truncation, prompt and special tokens included.
 
+A request with the optional input ``TEXT_PAIR`` (a reranker's ensemble sends its documents there, its queries in
+``TEXT``) is tokenised as pairs, as the model's tokenizer joins them and CrossEncoder truncates them (longest first);
+its ``attention_mask`` then holds each token's type id + 1 (1 the first text, 2 the second), which the reranker's
+scorer reads as the mask and the token types.
+
 A bad request (missing input, wrong shape, no texts, a text over ``MAX_TEXT_BYTES``, non-UTF-8 bytes, a NUL byte, an
 unknown prompt name or truncation, a text over max_seq_length tokens with truncation ``NONE``) gets its own
 INVALID_ARG error; the others still succeed.
@@ -53,6 +58,7 @@ from triton_embed_protocol import (
     PROMPT_NAME,
     QUEUED,
     TEXT,
+    TEXT_PAIR,
     TOKEN_COUNT,
     TOKENS,
     TRUNCATE,
@@ -87,33 +93,33 @@ def text_array(request) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def decode_texts(array: np.ndarray | None, max_bytes: int) -> list[str]:
-    """Decode a TEXT input (:func:`text_array`: ``[n, 1]`` of UTF-8 bytes) into ``n`` strings.
+def decode_texts(array: np.ndarray | None, max_bytes: int, name: str = TEXT) -> list[str]:
+    """Decode a TEXT input (:func:`text_array`: ``[n, 1]`` of UTF-8 bytes; ``name``: its name) into ``n`` strings.
 
     Raises:
         RequestError: the input is missing, not ``[n, 1]``, has no rows, or a row is longer than ``max_bytes``,
             is not valid UTF-8, or holds a NUL byte.
     """
     if array is None:
-        raise RequestError(f"missing input tensor '{TEXT}'")
+        raise RequestError(f"missing input tensor '{name}'")
     if array.ndim != 2 or array.shape[1] != 1:
-        raise RequestError(f"input '{TEXT}' must have shape [batch, 1]; got {list(array.shape)}")
+        raise RequestError(f"input '{name}' must have shape [batch, 1]; got {list(array.shape)}")
     if array.shape[0] == 0:
-        raise RequestError(f"input '{TEXT}' has 0 texts; at least 1 is required")
+        raise RequestError(f"input '{name}' has 0 texts; at least 1 is required")
     texts = []
     for row, item in enumerate(array[:, 0]):
         raw = item.encode("utf-8") if isinstance(item, str) else bytes(item)
         if len(raw) > max_bytes:
-            raise RequestError(f"input '{TEXT}' row {row} has {len(raw)} bytes; the limit is {max_bytes} bytes")
+            raise RequestError(f"input '{name}' row {row} has {len(raw)} bytes; the limit is {max_bytes} bytes")
         if b"\0" in raw:
             raise RequestError(
-                f"input '{TEXT}' row {row} holds a NUL byte at offset {raw.index(0)}; a text may not hold one"
+                f"input '{name}' row {row} holds a NUL byte at offset {raw.index(0)}; a text may not hold one"
             )
         try:
             texts.append(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise RequestError(
-                f"input '{TEXT}' row {row} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                f"input '{name}' row {row} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} "
                 f"({exc.reason})"
             ) from None
     return texts
@@ -145,8 +151,11 @@ def token_count(encoding, special_tokens: int) -> int:
     return sum(len(window.ids) - special_tokens for window in (encoding, *encoding.overflowing)) + special_tokens
 
 
-def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_rows(rows: list[list[int]], pad_id: int, types: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Pad token id lists to the longest one.
+
+    ``types``: a pair's type ids per row; the mask then holds type id + 1 on each token (1 the first text, 2 the
+    second: ``encoder_module.PairScorer``), not 1.
 
     Returns:
         (input_ids, attention_mask), both int64 ``[len(rows), max(len)]``.
@@ -156,7 +165,7 @@ def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray
     mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
-        mask[i, : len(r)] = 1
+        mask[i, : len(r)] = 1 if types is None else np.asarray(types[i]) + 1
     return ids, mask
 
 
@@ -326,27 +335,38 @@ class TritonPythonModel:
         arrived_ns = time.monotonic_ns()
         parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
+        seconds_per_request: list[list[str] | None] = []  # a pair's second texts (TEXT_PAIR), None for single texts
         modes_per_request: list[list[str]] = []
         errors: dict[int, str] = {}
         arrays = [text_array(request) for request in requests]  # read once: the door counts rows, decoding reads them
         refused, bulk, state = self._refuse_at_the_door(requests, parameters, arrays, arrived_ns, errors)
         for i, request in enumerate(requests):
             texts: list[str] | None = None
+            seconds: list[str] | None = None
             modes: list[str] = []
             if i not in errors and i not in refused:
                 try:
                     decoded = decode_texts(arrays[i], self.max_text_bytes)
+                    second = pb_utils.get_input_tensor_by_name(request, TEXT_PAIR)
+                    if second is not None:
+                        seconds = decode_texts(second.as_numpy(), self.max_text_bytes, TEXT_PAIR)
+                        if len(seconds) != len(decoded):
+                            raise RequestError(
+                                f"input '{TEXT_PAIR}' has {len(seconds)} rows and '{TEXT}' {len(decoded)}; a pair "
+                                "is one row of each"
+                            )
                     modes = self._modes(request, len(decoded), parameters[i])
                     texts = self._prompted(request, decoded)
                 except RequestError as exc:
                     errors[i] = str(exc)
             texts_per_request.append(texts)
+            seconds_per_request.append(seconds if texts is not None else None)
             modes_per_request.append(modes)
 
         rows = [
             (i, row, text, mode)
             for i, texts in enumerate(texts_per_request)
-            if texts is not None
+            if texts is not None and seconds_per_request[i] is None
             for row, (text, mode) in enumerate(zip(texts, modes_per_request[i], strict=True))
         ]
         heads = [r for r in rows if r[3] != START]
@@ -371,13 +391,41 @@ class TritonPythonModel:
                 )
         for (i, row, _, _), enc in zip(tails, tail_encodings, strict=True):
             encoded[i, row] = enc
+        self._encode_pairs(texts_per_request, seconds_per_request, modes_per_request, encoded, errors)
 
+        pairs = {i for i, seconds in enumerate(seconds_per_request) if seconds is not None}
         self._hand_on(requests, texts_per_request, encoded, errors=errors, refused=refused, bulk=bulk, state=state,
-                      arrived_ns=arrived_ns)  # fmt: skip
+                      arrived_ns=arrived_ns, pairs=pairs)  # fmt: skip
+
+    def _encode_pairs(
+        self, texts_per_request: list, seconds_per_request: list, modes_per_request: list, encoded: dict,
+        errors: dict[int, str],
+    ) -> None:  # fmt: skip
+        """Tokenise the pairs (TEXT, TEXT_PAIR) of the requests that have them into ``encoded``.
+
+        As the model's tokenizer joins a pair (its specials, its type ids), truncated longest-first (START: from the
+        left); a pair over the limit with ``NONE`` gets its request's error.
+        """
+        for tokenizer, direction in ((self.tokenizer, END), (self.tail_tokenizer, START)):
+            rows = [
+                (i, row, (text, seconds[row]), mode)
+                for i, (texts, seconds) in enumerate(zip(texts_per_request, seconds_per_request, strict=True))
+                if texts is not None and seconds is not None
+                for row, (text, mode) in enumerate(zip(texts, modes_per_request[i], strict=True))
+                if (mode == START) == (direction == START)
+            ]
+            encodings = tokenizer.encode_batch([pair for _, _, pair, _ in rows]) if rows else []
+            for (i, row, _, mode), enc in zip(rows, encodings, strict=True):
+                encoded[i, row] = enc
+                if mode == NONE and enc.overflowing and i not in errors:
+                    errors[i] = (
+                        f"input '{TEXT_PAIR}' row {row} with its '{TEXT}' has more than {self.max_tokens} tokens "
+                        "(the model's max_seq_length) and truncation is off for this request"
+                    )
 
     def _hand_on(  # noqa: PLR0913 - the pieces of one execution
         self, requests: list, texts_per_request: list, encoded: dict, *, errors: dict, refused: set[int],
-        bulk: set[int], state: DoorState, arrived_ns: int,
+        bulk: set[int], state: DoorState, arrived_ns: int, pairs: set[int],
     ) -> None:  # fmt: skip
         """Answer each request not refused: its error, its tokens now, or (a bulk request) its tokens in its turn."""
         queued_ns = time.monotonic_ns()
@@ -390,7 +438,9 @@ class TritonPythonModel:
                 error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=error)
                 continue
-            ids, mask = pad_rows([encoded[i, row].ids for row in range(len(texts))], self.pad_id)
+            encodings = [encoded[i, row] for row in range(len(texts))]
+            types = [e.type_ids for e in encodings] if i in pairs else None
+            ids, mask = pad_rows([e.ids for e in encodings], self.pad_id, types)
             wanted = request_outputs(requests[i])
             counted = QUEUED in wanted  # the ensemble feeds it to the encoder
             if i in bulk and counted:
@@ -426,7 +476,7 @@ def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int, wanted: set[str
         TOKENS[0]: ids,
         TOKENS[1]: mask,
         QUEUED: np.full((ids.shape[0], 1), queued_ns, dtype=np.int64),
-        TOKEN_COUNT: mask.sum(axis=1, keepdims=True),
+        TOKEN_COUNT: np.count_nonzero(mask, axis=1)[:, None].astype(np.int64),
     }
     return pb_utils.InferenceResponse(
         output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items() if name in wanted]

@@ -79,16 +79,22 @@ from triton_embed_protocol.overload import (
 )
 
 OUTPUT = "embedding__0"
+LOGIT = "logit__0"
+"""A reranker's second output, its raw logit per pair (``OUTPUT`` holds the score): declared in its config only."""
 PUBLISH_S = 5.0
 """The service curve's gauges are set at most this often, s (the admission knobs' whenever they change)."""
 
 
-def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def read_request(
+    request, max_seq_length: int, vocab_size: int, mask_values: tuple[int, ...] = (0, 1)
+) -> tuple[np.ndarray, np.ndarray]:
     """Return one request's (input_ids, attention_mask), int64 ``[n, T]``, after checking them.
+
+    ``mask_values``: what the mask may hold; a reranker's also 2 (a pair's second text).
 
     Raises:
         RequestError: an input is missing, the two shapes differ, a shape is not ``[n >= 1, 1 <= T <= max_seq_length]``,
-            a token id is outside ``[0, vocab_size)``, or a mask value is not 0/1.
+            a token id is outside ``[0, vocab_size)``, or a mask value is not one of ``mask_values``.
     """
     arrays = []
     for name in TOKENS:
@@ -107,8 +113,8 @@ def read_request(request, max_seq_length: int, vocab_size: int) -> tuple[np.ndar
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise RequestError(f"'{TOKENS[0]}' holds token id {bad}; ids must be in [0, {vocab_size})")
-    if not np.isin(mask, (0, 1)).all():
-        raise RequestError(f"'{TOKENS[1]}' must hold only 0 and 1")
+    if not np.isin(mask, mask_values).all():
+        raise RequestError(f"'{TOKENS[1]}' must hold only {' and '.join(map(str, mask_values))}")
     return ids, mask
 
 
@@ -221,6 +227,8 @@ class TritonPythonModel:
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
+        self.logits = pb_utils.get_output_config_by_name(self.model_config, LOGIT) is not None  # a reranker
+        self.mask_values = (0, 1, 2) if self.logits else (0, 1)
         if self.dim != int(manifest["dim"]):
             raise pb_utils.TritonModelException(
                 f"config says '{OUTPUT}' has dims [{self.dim}] but {module_path} returns {manifest['dim']}; "
@@ -326,9 +334,9 @@ class TritonPythonModel:
         for it in items:
             if it.piece is not None:
                 n = it.piece[0].shape[0]
-                out = np.ascontiguousarray(embeddings[row : row + n])
+                outputs = self._outputs(it.request, embeddings[row : row + n])
                 row += n
-                _answer(it.request, pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, out)]))()
+                _answer(it.request, pb_utils.InferenceResponse(output_tensors=outputs))()
             elif it.error is not None:
                 error = pb_utils.TritonError(it.error, pb_utils.TritonError.INVALID_ARG)
                 _answer(it.request, pb_utils.InferenceResponse(output_tensors=[], error=error))()
@@ -346,7 +354,7 @@ class TritonPythonModel:
         )
         try:
             item.budget_ms = request_budget_ms(parameters, self.latency_budget_ms)
-            item.piece = read_request(request, self.max_seq_length, self.vocab_size)
+            item.piece = read_request(request, self.max_seq_length, self.vocab_size, self.mask_values)
         except (RequestError, BudgetError) as exc:
             item.error = str(exc)
         return item
@@ -367,16 +375,30 @@ class TritonPythonModel:
         self._metrics.shed(len(refused))
 
     def _run(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Merge the requests' tokens into one batch and run it once: ``(rows, dim)`` of the output dtype."""
+        """Merge the requests' tokens into one batch and run it once: ``(rows, dim)`` of the output dtype.
+
+        A reranker's module returns ``(rows, 2)``: its scores, then its logits.
+        """
         ids, mask = merge_ragged(pieces)
         self._rows = ids.shape[0]
         embeddings = self.runner(ids, mask).astype(self.output_dtype, copy=False)
-        if embeddings.shape != (ids.shape[0], self.dim):
+        width = self.dim + self.logits
+        if embeddings.shape != (ids.shape[0], width):
             raise pb_utils.TritonModelException(
                 f"module returned {list(embeddings.shape)} for a batch of {ids.shape[0]}; expected "
-                f"[{ids.shape[0]}, {self.dim}]"
+                f"[{ids.shape[0]}, {width}]"
             )
         return embeddings
+
+    def _outputs(self, request, rows: np.ndarray) -> list:
+        """A request's output tensors from its ``rows`` of the module's output.
+
+        The embedding (a reranker's score), and a reranker's logit when the request asks for it.
+        """
+        outputs = [pb_utils.Tensor(OUTPUT, np.ascontiguousarray(rows[:, : self.dim]))]
+        if self.logits and LOGIT in request.requested_output_names():
+            outputs.append(pb_utils.Tensor(LOGIT, np.ascontiguousarray(rows[:, self.dim :])))
+        return outputs
 
 
 @dataclass

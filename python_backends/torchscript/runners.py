@@ -233,7 +233,7 @@ class BucketedRunner:
         """One execution: graph replay of the batch's bucket, or eager padded to its bucket length (exact above)."""
         batch, length = input_ids.shape
         bucket = self.table.lookup(batch, length)
-        real = int(attention_mask.sum())
+        real = int(np.count_nonzero(attention_mask))  # a reranker's mask holds 2 on a pair's second text
         if bucket is not None and bucket in self._graphs:
             with self._on_device():
                 out = self._replay(self._graphs[bucket], input_ids, attention_mask)

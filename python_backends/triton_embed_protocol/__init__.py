@@ -13,6 +13,10 @@ from typing import Any
 TEXT = "TEXT"
 """The ensemble's and the tokenizer's input: UTF-8 texts, BYTES ``[n_texts, 1]``."""
 
+TEXT_PAIR = "TEXT_PAIR"
+"""Optional input of the tokenizer, BYTES ``[n_texts, 1]``: each text's second text of a pair (a reranker's document;
+``TEXT`` holds its query)."""
+
 PROMPT_NAME = "PROMPT_NAME"
 """Optional input of the ensemble and the tokenizer, BYTES ``[n_texts, 1]``: each text's prompt name."""
 

@@ -285,3 +285,77 @@ def device_problems(module: torch.jit.ScriptModule) -> list[str]:
         if out.device.type != "meta":
             problems.append(f"a run with weights and inputs on the meta device returned a {out.device} tensor")
     return problems
+
+
+class PairScorer(torch.nn.Module):
+    """A cross-encoder (``*ForSequenceClassification`` with one label) scoring (query, document) pairs.
+
+    ``forward(input_ids int64 [B, T], segments int64 [B, T]) -> float32 [B, 2]``: per pair, the model's activation of
+    its logit (``CrossEncoder.predict``'s score) and the raw logit. ``segments`` is the attention mask with the
+    second text marked: 0 padding, 1 a token of the first text (and the specials around it), 2 a token of the second
+    (the tokenizer's type id + 1), so the same two tensors as an embedder's carry a pair through the runner, its
+    buckets and CUDA graphs. A family with token types gets ``token_type_ids`` = (segments == 2).
+    """
+
+    def __init__(self, model: torch.nn.Module, activation: torch.nn.Module, token_types: bool) -> None:
+        """Wrap ``model`` (returns a tuple whose first item is ``[B, 1]`` logits) and ``activation``."""
+        super().__init__()
+        self.model = model
+        self.activation = activation
+        self.token_types = token_types
+
+    def forward(self, input_ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """Score a padded batch of pairs; padding positions (0) do not change any row's result."""
+        mask = (segments > 0).to(torch.int64)
+        if self.token_types:
+            types = (segments == 2).to(torch.int64)
+            logits = self.model(input_ids=input_ids, attention_mask=mask, token_type_ids=types, return_dict=False)[0]
+        else:
+            logits = self.model(input_ids=input_ids, attention_mask=mask, return_dict=False)[0]
+        logits = logits.float()
+        return torch.cat([self.activation(logits), logits], dim=1)
+
+
+def build_traced_scorer(cross_encoder, *, precision: str = "fp32") -> tuple[torch.jit.ScriptModule, dict]:
+    """Trace :class:`PairScorer` for a sentence-transformers ``CrossEncoder``, device-portable.
+
+    Traced as :func:`build_traced_encoder` traces (``torch.no_grad()``, :func:`traced_at`, an example batch with a
+    padded row, :func:`follow_input_device`), with the model's own attention implementation and its
+    ``activation_fn`` (sigmoid for one label unless its config names another).
+
+    Returns:
+        (traced module in eval mode on CPU, ``{"max_seq_length", "vocab_size", "model_type", "attention",
+        "activation"}``).
+
+    Raises:
+        ValueError: the model has more than one label, or its activation is not a ``torch.nn`` module.
+    """
+    import inspect
+
+    model = cross_encoder[0].auto_model.eval()
+    labels = int(model.config.num_labels)
+    if labels != 1:
+        raise ValueError(f"a reranker has one label (one score per pair); this model has {labels}")
+    activation = cross_encoder.activation_fn
+    if not isinstance(activation, torch.nn.Module):
+        raise ValueError(f"activation_fn {activation!r} is not a torch.nn module, which the export can trace")
+    model.config.use_cache = False
+    token_types = "token_type_ids" in inspect.signature(model.forward).parameters
+    token_types = token_types and int(getattr(model.config, "type_vocab_size", 1)) > 1
+    wrapper = PairScorer(model, activation, token_types).eval()
+    vocab = int(model.config.vocab_size)
+    example_ids = torch.randint(vocab // 2, vocab, (2, 16), dtype=torch.int64)
+    example_segments = torch.ones_like(example_ids)
+    example_segments[:, 8:] = 2
+    example_segments[1, 12:] = 0
+    with torch.no_grad(), traced_at(precision):
+        traced = torch.jit.trace(wrapper, (example_ids, example_segments), check_trace=False)
+    follow_input_device(traced)
+    info = {
+        "max_seq_length": int(cross_encoder.max_seq_length),
+        "vocab_size": vocab,
+        "model_type": str(model.config.model_type),
+        "attention": str(model.config._attn_implementation),
+        "activation": type(activation).__name__.lower(),
+    }
+    return traced.eval(), info

@@ -16,6 +16,10 @@ of the default name):
   and ``default_prompt_name``, which the tokenizer applies.
 * ``encoder/1/export.json``: the :class:`ExportManifest`.
 
+A cross-encoder (:func:`is_reranker`) is exported as a reranker instead: the ensemble template ``rerank``, the
+tokenizer joining (query, document) pairs, and ``encoder_module.PairScorer`` (score and logit per pair), checked
+against ``CrossEncoder.predict``.
+
 Before anything is written, the exported pair (our tokenizer file + the traced module at fp32) is compared with
 ``SentenceTransformer.encode(..., normalize_embeddings=True)`` on texts of many lengths; a max abs difference of
 ``MAX_ABS_DIFF`` or more raises :class:`ExportCheckError` with the numbers. So does a module pinned to one device
@@ -81,6 +85,12 @@ CHECK_TEXTS = [
 ]
 
 
+RERANK_MAX_SCORE_DIFF = 0.02
+"""A reranker at bf16 or fp16: the largest |score - fp32 CrossEncoder.predict| allowed on the calibration pairs."""
+RERANK_MIN_AGREEMENT = 0.98
+"""A reranker at bf16 or fp16: the least share of each query's document pairs it must order as fp32 does."""
+
+
 class ExportCheckError(RuntimeError):
     """The exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or is pinned to a device."""
 
@@ -107,6 +117,9 @@ class ExportManifest:
         gate: what the precision gate ran against (:func:`gate_key`): its bound and the corpus's digest.
         precision_setting: the precision the export was given (``auto``, ``fp32``, ...), which a later ``make model``
             or ``make serve`` without ``PRECISION`` keeps.
+        kind: ``embedder`` or ``reranker`` (a cross-encoder: ``dim`` 1, the score; ``min_cosine`` 1.0, since its
+            gate bounds score differences and rank agreement, ``RERANK_MAX_SCORE_DIFF`` and ``RERANK_MIN_AGREEMENT``).
+        activation: a reranker's activation of its logit (``sigmoid``, ``identity``, ...); empty for an embedder.
     """
 
     source: str
@@ -125,6 +138,8 @@ class ExportManifest:
     min_cosine: float
     gate: str
     precision_setting: str = "auto"
+    kind: str = "embedder"
+    activation: str = ""
 
 
 def name_problem(name: str) -> str | None:
@@ -309,7 +324,14 @@ def set_config_dims(
 _WIDTH = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
 _LIMIT = re.compile(r'string_value: "\d+" \}(\s*# max-seq-length)')
 _PRECISION = re.compile(r'string_value: "\w*" \}(\s*# precision)')
-_NAMES = re.compile(r'^(name|\s*model_name): "(embed|tokenizer|encoder)"', re.MULTILINE)
+_NAMES = re.compile(r'^(name|\s*model_name): "(embed|rerank|tokenizer|encoder)"', re.MULTILINE)
+_SCORE_OUTPUT = re.compile(r"(dims: \[ 1 \]\s*# embedding-dim\n  \}\n)\]")
+LOGIT_OUTPUT = """  {
+    name: "logit__0"  # a reranker's raw logit per pair; embedding__0 holds its score (the activation of it)
+    data_type: TYPE_FP32
+    dims: [ 1 ]
+  }
+]"""
 
 
 def _model_values(text: str, dim: int, max_seq_length: int | None, precision: str | None) -> str:
@@ -326,21 +348,28 @@ def _model_values(text: str, dim: int, max_seq_length: int | None, precision: st
 def write_configs(repository: Path, name: str, manifest: ExportManifest, templates: Path = TEMPLATES) -> list[Path]:
     """Write the model ``name``'s configs into ``repository`` from ``templates``, with its ensemble's version folder.
 
-    Each template folder (``embed``, ``tokenizer``, ``encoder``: ``config.pbtxt`` and ``configs/*.pbtxt``) goes to
-    the folder :func:`step_names` names, with the names inside set alike and the manifest's width, token limit,
-    buckets and precision.
+    Each template folder (``embed``, or ``rerank`` for a reranker; ``tokenizer``, ``encoder``: ``config.pbtxt`` and
+    ``configs/*.pbtxt``) goes to the folder :func:`step_names` names, with the names inside set alike and the
+    manifest's width, token limit, buckets and precision. A reranker's encoder gets the output ``logit__0`` beside
+    its score and no libtorch config.
 
     Returns:
         The files written (those whose text changed).
     """
     tokenizer, encoder = step_names(name)
-    renames = {"embed": name, "tokenizer": tokenizer, "encoder": encoder}
+    reranker = manifest.kind == "reranker"
+    ensemble = "rerank" if reranker else "embed"
+    renames = {ensemble: name, "tokenizer": tokenizer, "encoder": encoder}
     written = []
     for template, target in renames.items():
         source = templates / template
         for cfg in [source / "config.pbtxt", *sorted((source / "configs").glob("*.pbtxt"))]:
+            if reranker and cfg.name == "libtorch.pbtxt":
+                continue  # Triton's libtorch backend has no second output: a reranker runs on ours in every config
             text = _NAMES.sub(lambda m: f'{m[1]}: "{renames[m[2]]}"', cfg.read_text())
             text = _model_values(text, manifest.dim, manifest.max_seq_length, manifest.precision)
+            if reranker and template == "encoder":
+                text = _SCORE_OUTPUT.sub(lambda m: f"{m[1][:-1]},\n{LOGIT_OUTPUT}", text)
             dst = repository / target / cfg.relative_to(source)
             if not dst.is_file() or dst.read_text() != text:
                 _atomic_write(dst, lambda p, text=text: Path(p).write_text(text))
@@ -414,6 +443,8 @@ def export(
 
     from triton_embed_server.encoder_module import remote_code_problem
 
+    if is_reranker(model_path):
+        return _export_reranker(model_path, repository, name, templates, choice, precision, gate, corpus)
     modules = json.loads((model_path / "modules.json").read_text())
     problem = remote_code_problem(model_path / modules[0].get("path", ""))
     if problem:
@@ -459,13 +490,8 @@ def export(
         gate=gate,
         precision_setting=precision,
     )
-    tokenizer_dir, encoder_dir = (repository / step / "1" for step in step_names(name))
-    _atomic_write(tokenizer_dir / "tokenizer.json", tokenizer.save)
     prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
-    _atomic_write(tokenizer_dir / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
-    _atomic_write(encoder_dir / "model.pt", lambda p: torch.jit.save(traced, p))
-    write_configs(repository, name, manifest, templates)
-    _atomic_write(manifest_path, lambda p: Path(p).write_text(json.dumps(asdict(manifest), indent=2) + "\n"))
+    _write_model(repository, name, templates, manifest, tokenizer, prompts, traced)
     if manifest.max_seq_length > LONG_CONTEXT_NOTE:
         print(
             f"note: max_seq_length {manifest.max_seq_length}: every bucket length up to it warms up at load, minutes "
@@ -474,6 +500,186 @@ def export(
             file=sys.stderr,
         )
     return manifest
+
+
+def _write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
+    repository: Path, name: str, templates: Path, manifest: ExportManifest, tokenizer, prompts: dict, traced
+) -> None:
+    """Write the model ``name``: its tokenizer, prompts, module, configs, and last its manifest."""
+    import torch
+
+    tokenizer_dir, encoder_dir = (repository / step / "1" for step in step_names(name))
+    _atomic_write(tokenizer_dir / "tokenizer.json", tokenizer.save)
+    _atomic_write(tokenizer_dir / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
+    _atomic_write(encoder_dir / "model.pt", lambda p: torch.jit.save(traced, p))
+    write_configs(repository, name, manifest, templates)
+    text = json.dumps(asdict(manifest), indent=2) + "\n"
+    _atomic_write(manifest_file(repository, name), lambda p: Path(p).write_text(text))
+
+
+def is_reranker(model_path: Path) -> bool:
+    """Whether ``model_path`` holds a cross-encoder.
+
+    A sentence-transformers ``CrossEncoder`` folder, or a transformers ``*ForSequenceClassification`` folder without
+    ``modules.json`` (as CrossEncoder saved before v4).
+    """
+
+    def read(file: str) -> dict:
+        path = model_path / file
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except (ValueError, UnicodeDecodeError):
+            return {}
+
+    if read("config_sentence_transformers.json").get("model_type") == "CrossEncoder":
+        return True
+    if read("sentence_bert_config.json").get("transformer_task") == "sequence-classification":
+        return True
+    architectures = read("config.json").get("architectures") or []
+    return not (model_path / "modules.json").is_file() and any(
+        str(a).endswith("ForSequenceClassification") for a in architectures
+    )
+
+
+def check_pairs() -> list[tuple[str, str]]:
+    """The (query, document) pairs a reranker's export checks.
+
+    Every third check text against every one, and the long one against itself and a short one, so ``longest_first``
+    truncation cuts the query, the document and both.
+    """
+    pairs = [(q, d) for q in CHECK_TEXTS[::3] for d in CHECK_TEXTS]
+    return pairs + [(CHECK_TEXTS[-1], CHECK_TEXTS[-1]), (CHECK_TEXTS[-1], "a")]
+
+
+def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed on
+    model_path: Path, repository: Path, name: str, templates: Path, choice, precision: str, gate: str,
+    corpus: Path | None,
+) -> ExportManifest:  # fmt: skip
+    """:func:`export` for a cross-encoder: the pair tokenizer and ``encoder_module.PairScorer``.
+
+    The fp32 module's scores and logits must equal ``CrossEncoder.predict``'s (with its activation, and with none)
+    within ``MAX_ABS_DIFF`` on :func:`check_pairs`; a bf16 or fp16 one is served only when its scores of the
+    calibration pairs (the calibration texts' first 8 as queries, the next 32 as documents) stay within
+    ``RERANK_MAX_SCORE_DIFF`` of fp32's and it orders at least ``RERANK_MIN_AGREEMENT`` of each query's document
+    pairs alike.
+
+    Raises:
+        ExportCheckError, ValueError: as :func:`export`'s.
+    """
+    import numpy as np
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    from triton_embed_server.encoder_module import build_traced_scorer, device_problems, remote_code_problem
+
+    if problem := remote_code_problem(model_path):
+        raise ValueError(f"{model_path}: {problem}; {SERVED}")
+    torch.manual_seed(0)
+    ce = CrossEncoder(str(model_path), device="cpu")
+
+    def traced_at(at: str):
+        traced, info = build_traced_scorer(ce, precision=at)
+        if pinned := device_problems(traced):
+            raise ExportCheckError(f"exported scorer is pinned to one device: {'; '.join(pinned)}; {SERVED}")
+        return traced, info
+
+    def predict(pairs: list[tuple[str, str]], activation=None):
+        return ce.predict(pairs, batch_size=len(pairs), activation_fn=activation, show_progress_bar=False)
+
+    traced, info = traced_at("fp32")
+    tokenizer = _served_tokenizer(ce, model_path, info["max_seq_length"])
+    pairs = check_pairs()
+    served = score_like_server(_copy(tokenizer), traced, pairs)
+    diffs = np.abs(served - np.stack([predict(pairs), predict(pairs, torch.nn.Identity())], axis=1)).max(axis=1)
+    if diffs.max() >= MAX_ABS_DIFF:
+        worst = int(diffs.argmax())
+        raise ExportCheckError(
+            f"exported reranker differs from CrossEncoder.predict: max abs diff {diffs[worst]:.3g} (limit "
+            f"{MAX_ABS_DIFF:g}) on pair #{worst}; {int((diffs >= MAX_ABS_DIFF).sum())} of {len(pairs)} pairs over "
+            f"the limit; this model's type is '{info['model_type']}'; {SERVED}"
+        )
+    served_at = "fp32"
+    if choice.precision != "fp32":
+        texts = [*precision_rules.calibration_texts(corpus), *CHECK_TEXTS]
+        queries, documents = texts[:8], texts[8:40]
+        calibration = [(q, d) for q in queries for d in documents]
+        reference = predict(calibration)
+        reduced, _ = traced_at(choice.precision)
+        scores = score_like_server(_copy(tokenizer), reduced, calibration)[:, 0]
+        worst = float(np.abs(scores - reference).max())
+        agreement = min(
+            rank_agreement(scores[k : k + len(documents)], reference[k : k + len(documents)])
+            for k in range(0, len(calibration), len(documents))
+        )
+        figure = (
+            f"{choice.precision} scores {len(calibration)} calibration pairs within {worst:.3g} of fp32 (bound "
+            f"{RERANK_MAX_SCORE_DIFF:g}) and orders {agreement:.3f} of a query's document pairs alike (least "
+            f"{RERANK_MIN_AGREEMENT:g})"
+        )
+        if worst <= RERANK_MAX_SCORE_DIFF and agreement >= RERANK_MIN_AGREEMENT:
+            traced, served_at = reduced, choice.precision
+        elif precision == "auto":
+            print(f"precision: {figure}: serving fp32", file=sys.stderr)
+        else:
+            raise ExportCheckError(f"{figure}: export at fp32")
+    manifest = ExportManifest(
+        source=str(model_path), source_digest=source_digest(model_path), exporter_digest=exporter_digest(), dim=1,
+        max_seq_length=info["max_seq_length"], vocab_size=info["vocab_size"], pooling="pair",
+        max_abs_diff=float(diffs.max()), model_type=info["model_type"], attention=info["attention"],
+        precision=served_at, precision_asked=choice.precision, precision_reason=choice.reason, min_cosine=1.0,
+        gate=gate, precision_setting=precision, kind="reranker", activation=info["activation"],
+    )  # fmt: skip
+    _write_model(repository, name, templates, manifest, tokenizer, {"prompts": {}, "default_prompt_name": None}, traced)
+    return manifest
+
+
+def rank_agreement(scores, reference) -> float:
+    """The share of pairs of items that ``scores`` orders as ``reference`` does (ties in ``reference`` left out).
+
+    ``scores``, ``reference``: ``(n,)`` float arrays, one query's documents. 1.0 when fewer than two items differ.
+    """
+    import numpy as np
+
+    i, j = np.triu_indices(len(reference), k=1)
+    differ = reference[i] != reference[j]
+    if not differ.any():
+        return 1.0
+    same = np.sign(scores[i] - scores[j]) == np.sign(reference[i] - reference[j])
+    return float(same[differ].mean())
+
+
+def tokenize_pairs_like_server(tokenizer, pairs: list[tuple[str, str]], pad_id: int = 0):
+    """Tokenise (query, document) ``pairs`` as the tokenizer step does for a reranker: one batch, padded to its longest.
+
+    Returns:
+        ``(input_ids, segments)``, int64 numpy ``(len(pairs), longest)``; ``segments`` 0 on padding, else the
+        token's type id + 1 (``encoder_module.PairScorer``).
+    """
+    import numpy as np
+
+    encodings = tokenizer.encode_batch(pairs)
+    longest = max(len(e.ids) for e in encodings)
+    ids = np.full((len(pairs), longest), pad_id, dtype=np.int64)
+    segments = np.zeros((len(pairs), longest), dtype=np.int64)
+    for row, enc in enumerate(encodings):
+        ids[row, : len(enc.ids)] = enc.ids
+        segments[row, : len(enc.ids)] = np.asarray(enc.type_ids) + 1
+    return ids, segments
+
+
+def score_like_server(tokenizer, traced, pairs: list[tuple[str, str]]):
+    """Score ``pairs`` as the served reranker does (:func:`tokenize_pairs_like_server`, one batch).
+
+    Returns:
+        ``(len(pairs), 2)`` float32 numpy: the score and the raw logit per pair.
+    """
+    import torch
+
+    pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else 0
+    tokenizer.no_padding()
+    ids, segments = tokenize_pairs_like_server(tokenizer, pairs, pad_id)
+    with torch.no_grad():
+        return traced(torch.from_numpy(ids), torch.from_numpy(segments)).numpy()
 
 
 def _traced(st, model_path: Path, precision: str):
@@ -609,7 +815,7 @@ def chosen_model(requested: str | None, repository: Path, name: str = DEFAULT_MO
     manifest = manifest_file(repository, name)
     current = Path(json.loads(manifest.read_text())["source"]) if manifest.is_file() else None
     default = default_model_path()
-    if requested is None and current is not None and current != default and (current / "modules.json").is_file():
+    if requested is None and current is not None and current != default and check_model_folder(current) is None:
         named = "" if name == DEFAULT_MODEL else f" NAME={name}"
         back = f"`make model MODEL=default{named}` goes back to all-MiniLM-L6-v2"
         return current, f"kept the model exported last ({back})"
@@ -618,7 +824,7 @@ def chosen_model(requested: str | None, repository: Path, name: str = DEFAULT_MO
     return default, ""
 
 
-def check_model_folder(path: Path) -> str | None:
+def check_model_folder(path: Path) -> str | None:  # noqa: PLR0911 - one message per problem
     """Why ``path`` is not a sentence-transformers folder, or None when it looks like one (``modules.json`` parses)."""
     if not path.exists():
         return f"{path} does not exist"
@@ -626,7 +832,22 @@ def check_model_folder(path: Path) -> str | None:
         return f"{path} is a file; give the sentence-transformers folder (the one holding modules.json)"
     modules = path / "modules.json"
     if not modules.is_file():
-        return f"{path} is not a sentence-transformers folder (no modules.json)"
+        if is_reranker(path):
+            return None
+        config = path / "config.json"
+        try:
+            architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+        except (ValueError, UnicodeDecodeError):
+            architectures = []
+        if causal := [str(a) for a in architectures if str(a).endswith("ForCausalLM")]:
+            return (
+                f"{path} holds a causal language model ({causal[0]}): an LLM-based reranker that scores with yes/no "
+                "token logits is not served; rerankers are one-label *ForSequenceClassification cross-encoders"
+            )
+        return (
+            f"{path} is not a sentence-transformers folder (no modules.json) nor a cross-encoder (config.json "
+            "architectures *ForSequenceClassification)"
+        )
     try:
         json.loads(modules.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
@@ -720,15 +941,24 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911, PLR0912 - one 
             print(f"export failed: model '{name}': {exc}", file=sys.stderr)
             return 1
         state = "up to date" if written_before is not None and path.stat().st_mtime_ns == written_before else "exported"
-        print(
-            f"model '{name}' {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, "
-            f"{manifest.attention} attention, dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, pooling "
-            f"{manifest.pooling}, max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g} at fp32)"
-        )
-        print(
-            f"precision: {manifest.precision} ({manifest.precision_reason}), min cosine to fp32 sentence-transformers "
-            f"{manifest.min_cosine:.7f} over the calibration texts"
-        )
+        if manifest.kind == "reranker":
+            print(
+                f"model '{name}' {state}: {manifest.source} -> {args.repository} ({manifest.model_type} reranker, "
+                f"{manifest.attention} attention, activation {manifest.activation}, max_seq_length "
+                f"{manifest.max_seq_length}, max abs diff vs CrossEncoder.predict {manifest.max_abs_diff:.2g} at fp32)"
+            )
+            print(f"precision: {manifest.precision} ({manifest.precision_reason})")
+        else:
+            print(
+                f"model '{name}' {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, "
+                f"{manifest.attention} attention, dim {manifest.dim}, max_seq_length {manifest.max_seq_length}, "
+                f"pooling {manifest.pooling}, max abs diff vs sentence-transformers {manifest.max_abs_diff:.2g} at "
+                "fp32)"
+            )
+            print(
+                f"precision: {manifest.precision} ({manifest.precision_reason}), min cosine to fp32 "
+                f"sentence-transformers {manifest.min_cosine:.7f} over the calibration texts"
+            )
         if note:
             print(f"model '{name}': {note}")
     return 0
