@@ -159,7 +159,10 @@ def _trained_tokenizer(kind: str, folder: Path, max_length: int):
     else:
         single, first, last = template
         tokens = [(t, tok.token_to_id(t)) for t in (first, last) if t]
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=tokens)
+        # a pair as the family joins one (XLM-RoBERTa, MPNet: </s> </s> between; ModernBERT: [SEP]), one type id
+        between = f"{last} {last}" if first == "<s>" else last
+        pair = single.replace("$A", f"$A {between} $B") if last else f"{single} $B"
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
     side = "left" if kind == "qwen-bpe" else "right"
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, padding_side=side, **names)
     hf.save_pretrained(folder)
@@ -226,3 +229,39 @@ def repository_for(model: Path, repo: Path, precision: str = "fp32", name: str =
 
     exporter.export(model, repo, precision=precision, name=name)
     return repo
+
+
+RERANKER_ARCHITECTURES = {
+    "bert": "cross-encoder/ms-marco-MiniLM-L6-v2, BAAI/bge-reranker-base's BERT cousins",
+    "xlm-roberta": "BAAI/bge-reranker-v2-m3, bge-reranker-base/large",
+    "modernbert": "Alibaba-NLP/gte-reranker-modernbert-base",
+}
+"""The reranker families the exporter is tested on (tests/test_rerank.py), with the real models they stand in for."""
+
+
+def small_cross_encoder(folder: Path, *, architecture: str = "bert", dim: int = 32, max_seq_length: int = 64) -> Path:
+    """A sentence-transformers CrossEncoder folder: a 2-layer ``architecture`` ``*ForSequenceClassification`` with one
+    label, width ``dim`` and random weights, its family's tokenizer (pairs joined as the family joins them), and the
+    default activation (sigmoid). Returns the model's folder."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from triton_embed_server.export import default_model_path
+
+    family = ARCHITECTURES[architecture]
+    hf_folder = folder / "hf"
+    if family.tokenizer == "wordpiece":
+        tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
+        tokenizer.save_pretrained(hf_folder)
+    else:
+        tokenizer = _trained_tokenizer(family.tokenizer, hf_folder, max_seq_length)
+    config = _config(family, len(tokenizer), dim, max_seq_length + 2)
+    config.num_labels = 1
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    # random weights score every pair near one value; a wider classifier spreads them, so ranks are worth checking
+    head = next(p for n, p in model.named_parameters() if n.endswith("weight") and p.shape[0] == 1)
+    torch.nn.init.normal_(head, std=2.0)
+    model.save_pretrained(hf_folder)
+    CrossEncoder(str(hf_folder), device="cpu", max_length=max_seq_length).save(str(folder / "model"))
+    return folder / "model"

@@ -7,7 +7,7 @@ several; errors are subclasses of ``EmbeddingError``. See docs/client.md.
 from triton_embed.aio import AsyncEmbeddingClient
 from triton_embed.client import EmbeddingClient
 from triton_embed.client_stats import ClientStats
-from triton_embed.core import Health
+from triton_embed.core import Health, Ranked
 from triton_embed.endpoints import EndpointState
 from triton_embed.errors import (
     EmbeddingError,
@@ -27,6 +27,7 @@ __all__ = [
     "EndpointState",
     "Health",
     "InvalidInputError",
+    "Ranked",
     "ServerError",
     "ServerUnavailableError",
     "StepStats",

@@ -18,16 +18,19 @@ from triton_embed.core import (
     ClientCore,
     Done,
     Health,
+    Ranked,
     Sleep,
     Steps,
     advance,
     check_dimensions,
+    check_top_n,
     grpc_channel_args,
     max_batch_and_dim,
+    ranked,
     shorten,
 )
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, connection_cut, from_triton
-from triton_embed.inputs import Embeddings, TextsLike, as_texts
+from triton_embed.inputs import Embeddings, Scores, TextsLike, as_texts
 from triton_embed.request_builder import CallOptions
 
 T = TypeVar("T")
@@ -181,6 +184,37 @@ class AsyncEmbeddingClient(ClientCore):
                 return await self._run(self._infer(texts, dim, True, options))
 
         return np.concatenate(await asyncio.gather(*(chunk(c) for c in chunks)))
+
+    # -- reranking ----------------------------------------------------------------------------------------------------
+    async def rerank(
+        self,
+        query: str | bytes,
+        documents: TextsLike,
+        *,
+        top_n: int | None = None,
+        truncate: str | None = None,
+    ) -> list[Ranked]:
+        """Score ``documents`` against ``query`` with a reranker, highest score first.
+
+        Same inputs, options, result and errors as the sync client's :meth:`~triton_embed.EmbeddingClient.rerank`.
+        """
+        check_top_n(top_n)
+        CallOptions(None, truncate)  # checks truncate
+        (text,) = as_texts(query)
+        items = as_texts(documents)
+        if not items:
+            return []
+        self._check_open()
+        pieces = await self._run(self._pair_chunks(items))
+        if len(pieces) == 1:
+            return ranked(items, await self._run(self._score(text, pieces[0], False, truncate)), top_n)
+        limit = asyncio.Semaphore(self.settings.max_concurrency)
+
+        async def piece(documents: list[str]) -> Scores:
+            async with limit:
+                return await self._run(self._score(text, documents, True, truncate))
+
+        return ranked(items, np.concatenate(await asyncio.gather(*(piece(p) for p in pieces))), top_n)
 
     # -- health and statistics ----------------------------------------------------------------------------------------
     async def health(self) -> Health:

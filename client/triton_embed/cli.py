@@ -56,7 +56,9 @@ def _add_common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
         default=default(None),
         help="default: the --url scheme, else $TRITON_EMBED_PROTOCOL, else grpc",
     )
-    parser.add_argument("--model", default=default("embed"), help="model name (default: embed)")
+    parser.add_argument(
+        "--model", default=default(None), help="model name (default: embed; for the rerank command: rerank)"
+    )
     parser.add_argument("--timeout", type=float, default=default(30.0), help="seconds per request (default: 30)")
     parser.add_argument("--json", action="store_true", default=default(False), help="print JSON")
 
@@ -82,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--truncate", choices=("END", "START", "NONE"), default=None,
                        help="cut a text over the token limit at its end, its start, or refuse it")  # fmt: skip
     embed.add_argument("--dimensions", type=int, default=None, help="keep the first N components, renormalised")
+    rerank = sub.add_parser(
+        "rerank", parents=[common], help="score documents against a query with a reranker, highest first"
+    )
+    rerank.add_argument("query")
+    rerank.add_argument("documents", nargs="+", metavar="DOC")
+    rerank.add_argument("--top-n", type=int, default=None, help="print the best N only")
+    rerank.add_argument("--truncate", choices=("END", "START", "NONE"), default=None,
+                        help="cut a pair over the token limit at its end, its start, or refuse it")  # fmt: skip
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
@@ -169,6 +179,18 @@ def _embed(client: EmbeddingClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _rerank(client: EmbeddingClient, args: argparse.Namespace) -> int:
+    """``rerank``: one line per document, highest score first: its score, its index, its text (or JSON rows)."""
+    documents = [_argument_text(d) for d in args.documents]
+    results = client.rerank(_argument_text(args.query), documents, top_n=args.top_n, truncate=args.truncate)
+    if args.json:
+        print(json.dumps([{"index": r.index, "score": r.score, "document": r.document} for r in results]))
+    else:
+        for r in results:
+            print(f"{r.score:.6f}\t{r.index}\t{r.document}")
+    return 0
+
+
 def _metrics_url(args: argparse.Namespace, client: EmbeddingClient) -> str:
     """``--metrics-url``, else Triton's default metrics port on the first endpoint's host."""
     if args.metrics_url:
@@ -183,7 +205,7 @@ def _stats(client: EmbeddingClient, args: argparse.Namespace) -> int:
     url = _metrics_url(args, client)
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as answer:  # noqa: S310 - the user's metrics URL
-            encoder = server_stats.steps(args.model)[2]
+            encoder = server_stats.steps(client.model)[2]
             knobs: server_stats.Admission | None = server_stats.admission(answer.read().decode(), encoder)
         note = ""
     except (OSError, ValueError) as exc:
@@ -205,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     return _gateway(given[1:]) if given[:1] == ["gateway"] else _client_command(given)
 
 
+def model_of(args: argparse.Namespace) -> str:
+    """The ensemble a command calls: ``--model``, else ``rerank`` for the rerank command and ``embed`` for the rest."""
+    return str(args.model or ("rerank" if args.command == "rerank" else "embed"))
+
+
 def _client_command(argv: list[str]) -> int:
     """The subcommands that call the service through :class:`EmbeddingClient`."""
     parser = _parser()
@@ -214,7 +241,7 @@ def _client_command(argv: list[str]) -> int:
     try:
         budget = getattr(args, "latency_budget_ms", None)
         with EmbeddingClient(
-            url=args.url, protocol=args.protocol, model=args.model, timeout_s=args.timeout, latency_budget_ms=budget
+            url=args.url, protocol=args.protocol, model=model_of(args), timeout_s=args.timeout, latency_budget_ms=budget
         ) as client:
             if args.command == "similarity":
                 score = client.similarity(_argument_text(args.a), _argument_text(args.b))
@@ -227,9 +254,8 @@ def _client_command(argv: list[str]) -> int:
                 if health.error and not args.json:
                     print(f"triton-embed: {health.error}", file=sys.stderr)
                 return 0 if health.model_ready else 1
-            if args.command == "stats":
-                return _stats(client, args)
-            return _embed(client, args)
+            commands = {"stats": _stats, "rerank": _rerank}
+            return commands.get(args.command, _embed)(client, args)
     except (EmbeddingError, ValueError) as exc:
         print(f"triton-embed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -19,12 +19,15 @@ from triton_embed.core import (
     ClientCore,
     Done,
     Health,
+    Ranked,
     Sleep,
     Steps,
     advance,
     check_dimensions,
+    check_top_n,
     grpc_channel_args,
     max_batch_and_dim,
+    ranked,
     shorten,
 )
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, connection_cut, from_triton
@@ -242,11 +245,63 @@ class EmbeddingClient(ClientCore):
         chunks, dim = self._run(self._chunked(items))
         if len(chunks) == 1:
             return self._run(self._infer(chunks[0], dim, False, options))
+        return np.concatenate(
+            list(self._threads().map(lambda c: self._run(self._infer(c, dim, True, options)), chunks))
+        )
+
+    # -- reranking ----------------------------------------------------------------------------------------------------
+    def rerank(
+        self,
+        query: str | bytes,
+        documents: TextsLike,
+        *,
+        top_n: int | None = None,
+        truncate: str | None = None,
+    ) -> list[Ranked]:
+        """Score ``documents`` against ``query`` with a reranker, highest score first.
+
+        The reranker: a cross-encoder ``make model`` exported, whose ensemble the client's ``model`` names.
+
+        Args:
+            query: the query, str or UTF-8 bytes.
+            documents: as :meth:`embed`'s ``texts``; lists longer than :attr:`max_batch_size` pairs are sent as
+                several requests, up to ``max_concurrency`` at once.
+            top_n: answer the best ``top_n`` only; None: all.
+            truncate: ``"END"`` (a pair over the model's ``max_seq_length`` tokens loses tokens from the end of its
+                longer text, as ``CrossEncoder`` truncates), ``"START"`` or ``"NONE"`` (``InvalidInputError``); None:
+                the server's ``TRUNCATION``.
+
+        Returns:
+            :class:`Ranked` (``index``, ``score`` as ``CrossEncoder.predict`` computes it, ``document``) per
+            document, highest score first; empty for no documents, without a request.
+
+        Raises:
+            ValueError: ``top_n`` or ``truncate`` out of range (before anything is sent).
+            InvalidInputError: a text is not str/UTF-8, the model is not a reranker, or the server rejected a pair.
+            ServerUnavailableError, EmbeddingTimeoutError, ServerError: as :meth:`embed`.
+        """
+        check_top_n(top_n)
+        CallOptions(None, truncate)  # checks truncate
+        (text,) = as_texts(query)
+        items = as_texts(documents)
+        if not items:
+            return []
+        self._own_process()
+        self._check_open()
+        pieces = self._run(self._pair_chunks(items))
+        if len(pieces) == 1:
+            scores = self._run(self._score(text, pieces[0], False, truncate))
+        else:
+            parts = self._threads().map(lambda piece: self._run(self._score(text, piece, True, truncate)), pieces)
+            scores = np.concatenate(list(parts))
+        return ranked(items, scores, top_n)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """The pool the chunks of one call run on, ``max_concurrency`` threads, made at first use."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.settings.max_concurrency, thread_name_prefix="triton-embed")
-            executor = self._executor
-        return np.concatenate(list(executor.map(lambda c: self._run(self._infer(c, dim, True, options)), chunks)))
+            return self._executor
 
     # -- health and statistics ----------------------------------------------------------------------------------------
     def health(self) -> Health:

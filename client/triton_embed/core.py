@@ -41,7 +41,7 @@ from triton_embed import server_stats
 from triton_embed.client_stats import ClientStats, Counters
 from triton_embed.endpoints import EndpointPool, EndpointState, resolve_all
 from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
-from triton_embed.inputs import Embeddings
+from triton_embed.inputs import Embeddings, Scores
 from triton_embed.request_builder import OUTPUT, CallOptions, RequestBuilder
 from triton_embed.settings import Settings, copied, traced
 from triton_embed.shm import Region, ShmPool, close_pool_at_exit, region_in_use, release_pauses
@@ -193,6 +193,35 @@ def max_batch_and_dim(config: dict[str, Any]) -> tuple[int, int]:
     """``(max_batch_size, embedding width)`` from a model config in JSON form."""
     output = next(o for o in config["output"] if o["name"] == OUTPUT)
     return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One document of a rerank call.
+
+    Its ``index`` in the call's documents, its ``score`` (the model's activation of its logit: sigmoid, in (0, 1), for
+    most cross-encoders) and its text, ``document``.
+    """
+
+    index: int
+    score: float
+    document: str
+
+
+def ranked(documents: list[str], scores: Scores, top_n: int | None) -> list[Ranked]:
+    """``documents`` with their float32 ``(n,)`` ``scores``, highest first (ties in document order); ``top_n``."""
+    order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))
+    return [Ranked(i, float(scores[i]), documents[i]) for i in order[:top_n]]
+
+
+def check_top_n(top_n: int | None) -> None:
+    """Check a ``top_n`` argument (None passes).
+
+    Raises:
+        ValueError: not an integer >= 1.
+    """
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise ValueError(f"top_n must be an integer >= 1; got {top_n!r}")
 
 
 def check_dimensions(dimensions: int | None, width: int) -> None:
@@ -516,6 +545,30 @@ class ClientCore:
                 pool.release(region)
         self._counters.add(requests=1, texts=len(texts), bytes_sent=sent, bytes_received=received)
         return array
+
+    # -- reranking ----------------------------------------------------------------------------------------------------
+    def _pair_chunks(self, documents: list[str]) -> Steps[list[list[str]]]:
+        """``documents`` in pieces of at most the ensemble's ``max_batch_size``: one inference request per piece."""
+        config = yield from self._get_model_config()
+        return chunks(documents, int(config.get("max_batch_size", 1)) or 1)
+
+    def _score(self, query: str, documents: list[str], bulk: bool, truncate: str | None) -> Steps[Scores]:
+        """Score one chunk of (``query``, document) pairs, float32 ``(len(documents),)``, retried as :meth:`_infer`."""
+        return (yield from self._retrying(self._score_once, query, documents, bulk, truncate))
+
+    def _score_once(
+        self, endpoint: str, query: str, documents: list[str], bulk: bool, truncate: str | None
+    ) -> Steps[Scores]:
+        if self._closed:
+            raise self._closed_error()
+        inputs, outputs, sent = self._builder.build_pairs(query, documents, truncate)
+        result = yield from self._call(
+            endpoint, "infer", self.model, inputs, outputs=outputs, wait_s=self.settings.timeout_s + 1,
+            **self._builder.infer_kwargs(bulk),
+        )  # fmt: skip
+        scores, received = self._builder.read_scores(result, len(documents))
+        self._counters.add(requests=1, texts=len(documents), bytes_sent=sent, bytes_received=received)
+        return scores
 
     # -- shared memory ------------------------------------------------------------------------------------------------
     def _open_shared_memory(self) -> ShmPool | None:

@@ -16,6 +16,9 @@ TextsLike = str | bytes | npt.NDArray[Any] | Iterable[str | bytes]
 Embeddings = npt.NDArray[np.float32]
 """``(n, dim)`` float32 rows, one per text."""
 
+Scores = npt.NDArray[np.float32]
+"""A reranker's scores, one per document: float32 ``(n,)``."""
+
 
 def as_texts(texts: TextsLike) -> list[str]:
     """Return the texts as a list of str, in order.

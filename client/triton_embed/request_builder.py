@@ -13,12 +13,13 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import serialize_byte_tensor
 
 from triton_embed.errors import EmbeddingError
-from triton_embed.inputs import Embeddings
+from triton_embed.inputs import Embeddings, Scores
 from triton_embed.settings import Settings
 from triton_embed.shm import Region, output_offset
 
 INPUT = "TEXT"
 OUTPUT = "EMBEDDING"
+QUERY, DOCUMENT, SCORE = "QUERY", "DOCUMENT", "SCORE"  # a reranker's ensemble
 PROMPT_NAME, TRUNCATE = "PROMPT_NAME", "TRUNCATE"
 TRUNCATIONS = ("END", "START", "NONE")
 
@@ -126,6 +127,47 @@ class RequestBuilder:
             body, _ = self.module.InferenceServerClient.generate_request_body(inputs, outputs=[output])
             sent = len(body)
         return inputs, [output], sent
+
+    def _bytes(self, name: str, values: list[str]) -> Any:
+        data = text_tensor(values)
+        tensor = self.module.InferInput(name, list(data.shape), "BYTES")
+        if self.http:
+            tensor.set_data_from_numpy(data, binary_data=self.settings.binary)
+        else:
+            tensor.set_data_from_numpy(data)
+        return tensor
+
+    def build_pairs(self, query: str, documents: list[str], truncate: str | None) -> tuple[list[Any], list[Any], int]:
+        """Return ``(inputs, outputs, sent_bytes)`` for a reranker.
+
+        ``QUERY`` (repeated) and ``DOCUMENT`` per pair, ``TRUNCATE`` when given; the output ``SCORE``. Always over the
+        network.
+        """
+        inputs = [self._bytes(QUERY, [query] * len(documents)), self._bytes(DOCUMENT, documents)]
+        if truncate is not None:
+            inputs.append(self._bytes(TRUNCATE, [truncate] * len(documents)))
+        kwargs = {"binary_data": self.settings.binary} if self.http else {}
+        outputs = [self.module.InferRequestedOutput(SCORE, **kwargs)]
+        sent = 0
+        if self.http:
+            body, _ = self.module.InferenceServerClient.generate_request_body(inputs, outputs=outputs)
+            sent = len(body)
+        return inputs, outputs, sent
+
+    def read_scores(self, result: Any, n: int) -> tuple[Scores, int]:
+        """Return ``((n,) float32 scores, received_bytes)`` from a reranker's ``InferResult``.
+
+        Raises:
+            EmbeddingError: the server answered with another row count.
+        """
+        array = result.as_numpy(SCORE)
+        if array is None or array.shape != (n, 1):
+            got = None if array is None else list(array.shape)
+            raise EmbeddingError(f"model '{self.settings.model}' returned {got} for {n} pairs; expected [{n}, 1]")
+        received = 0
+        if self.http:
+            received = len(json.dumps(result.get_response(), separators=(",", ":"))) + array.nbytes
+        return array[:, 0].astype(np.float32), received
 
     @staticmethod
     def region_bytes(texts: list[str], dim: int) -> int:

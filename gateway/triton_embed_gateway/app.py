@@ -30,11 +30,17 @@ from triton_embed_gateway.protocol import (
     ApiError,
     Counts,
     EmbedRequest,
+    RerankRequest,
+    Scores,
     Vectors,
+    cohere_rerank_request,
+    cohere_rerank_response,
     invalid,
     openai_request,
     openai_response,
     tei_request,
+    tei_rerank_request,
+    tei_rerank_response,
 )
 from triton_embed_gateway.sampling import SamplingController, SamplingPolicy
 from triton_embed_gateway.tracing import Tracing, annotate, record_status
@@ -180,10 +186,11 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
 ) -> Starlette:
     """The ASGI application answering for the ensembles of ``embedders`` (one Triton server).
 
-    ``/v1/embeddings`` routes by the request's ``model`` (an id of ``settings.served_names`` or an ensemble's name;
-    with one ensemble any name, with several none means the first); the TEI routes use the first. ``tracing``: a
-    server span per request of the embedding routes (default: the first embedder's, off unless set up). The
-    embedders' channels are closed and the spans still queued are exported when the application shuts down.
+    ``/v1/embeddings`` and ``/v1/rerank`` route by the request's ``model`` (an id of ``settings.served_names`` or an
+    ensemble's name) among the embedders and the rerankers: with one model of that kind any name that names no
+    other model, none means the first; the TEI routes ``/embed`` and ``/rerank`` use the first of their kind.
+    ``tracing``: a server span per request of the embedding and rerank routes (default: the first embedder's, off
+    unless set up). The channels are closed and the spans still queued are exported when the application shuts down.
     """
     embedders = [embedders] if isinstance(embedders, TritonEmbedder) else list(embedders)
     served = {settings.served_names.get(e.model, e.model): e for e in embedders}
@@ -191,17 +198,29 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
     tracing = tracing or embedders[0].tracing
     sampling = _sampling(embedders, settings, tracing.sampler, metrics) if tracing.sampler is not None else None
 
-    def chosen(model: str | None) -> tuple[str, TritonEmbedder]:
-        """The served id and the embedder a request's ``model`` names."""
-        if len(served) == 1 or model is None:
-            return next(iter(served.items()))
-        if model in served:
-            return model, served[model]
-        for name, embedder in served.items():
-            if embedder.model == model:
-                return name, embedder
+    async def chosen(model: str | None, kind: str = "embedder") -> tuple[str, TritonEmbedder]:
+        """The served id and the ensemble a request's ``model`` names among those of ``kind``.
+
+        Raises:
+            ApiError: 404 for a name nothing serves, or no model of ``kind``; 400 for a model of the other kind.
+        """
+        named = {name: e for name, e in served.items() if model in (name, e.model)}
+        kinds = {name: (await e.info()).kind for name, e in served.items()}
+        if named and kinds[next(iter(named))] != kind:
+            other = kinds[next(iter(named))]
+            route = "/v1/rerank" if other == "reranker" else "/v1/embeddings"
+            raise ApiError(
+                400, f"model '{model}' is a{'n' if other == 'embedder' else ''} {other}; send it to {route}",
+                code="wrong_model_kind", param="model",
+            )  # fmt: skip
+        of_kind = {name: e for name, e in served.items() if kinds[name] == kind}
+        if named:
+            return next(iter(named.items()))
+        if of_kind and (model is None or len(of_kind) == 1):
+            return next(iter(of_kind.items()))
+        listed = ", ".join(of_kind) or "none"
         raise ApiError(
-            404, f"model '{model}' is not served here; the served models are {', '.join(served)}",
+            404, f"model '{model}' is not served here; the served {kind}s are {listed}",
             code="model_not_found", param="model",
         )  # fmt: skip
 
@@ -247,7 +266,7 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
         return endpoint
 
     async def embed(request: EmbedRequest, field: str, model: str | None = None) -> tuple[str, Vectors, Counts]:
-        name, embedder = chosen(model)
+        name, embedder = await chosen(model)
         annotate(texts=len(request.texts), model=name)
         vectors, tokens = await embedder.embed(request, field)
         metrics.texts.inc(len(request.texts))
@@ -265,12 +284,32 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
         _, vectors, _ = await embed(parsed, "inputs")
         return json_response(vectors)
 
+    async def rerank(request: RerankRequest) -> tuple[str, Scores, Counts]:
+        name, reranker = await chosen(request.model, "reranker")
+        annotate(texts=len(request.documents), model=name)
+        scores, tokens = await reranker.rerank(request)
+        metrics.texts.inc(len(request.documents))
+        metrics.tokens.inc(int(tokens.sum()))
+        annotate(tokens=int(tokens.sum()))
+        return name, scores, tokens
+
+    async def tei_rerank(request: Request) -> Response:
+        parsed = tei_rerank_request(await read_json(request, settings.payload_limit), settings.max_inputs)
+        _, scores, _ = await rerank(parsed)
+        return json_response(tei_rerank_response(parsed, scores))
+
+    async def cohere_rerank(request: Request) -> Response:
+        parsed = cohere_rerank_request(await read_json(request, settings.payload_limit), settings.max_inputs)
+        name, scores, tokens = await rerank(parsed)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return json_response(cohere_rerank_response(parsed, scores, tokens, name, request_id))
+
     async def models(request: Request) -> Response:
         data = []
         for name, embedder in served.items():
             info = await embedder.info()
             data.append({
-                "id": name, "object": "model", "created": 0, "owned_by": "triton-embed",
+                "id": name, "object": "model", "created": 0, "owned_by": "triton-embed", "type": info.kind,
                 "dimension": info.dim, "max_tokens": info.max_tokens, "max_batch_size": info.max_batch_size,
                 "precision": info.precision,
             })  # fmt: skip
@@ -293,6 +332,9 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
     routes = [
         Route("/v1/embeddings", route("/v1/embeddings", openai_embeddings, needs_key=True), methods=["POST"]),
         Route("/embed", route("/embed", tei_embed, needs_key=True, tei=True), methods=["POST"]),
+        Route("/v1/rerank", route("/v1/rerank", cohere_rerank, needs_key=True), methods=["POST"]),
+        Route("/v2/rerank", route("/v2/rerank", cohere_rerank, needs_key=True), methods=["POST"]),  # Cohere's v2 SDK
+        Route("/rerank", route("/rerank", tei_rerank, needs_key=True, tei=True), methods=["POST"]),
         Route("/v1/models", route("/v1/models", models), methods=["GET"]),
         Route("/health", route("/health", health), methods=["GET"]),
         Route("/ready", route("/ready", ready), methods=["GET"]),

@@ -248,3 +248,151 @@ def openai_response(vectors: Vectors, token_counts: Counts, model: str, encoding
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    """What one rerank request asks: ``documents`` scored against ``query``, as (query, document) pairs.
+
+    ``documents_field``: the API field that holds them (``texts`` on TEI's route, ``documents`` on Cohere's), for
+    errors; ``truncate``: as :class:`EmbedRequest`'s, per pair; ``top_n``: how many results to answer (None: all);
+    ``return_documents``: put each document's text in its result; ``raw_scores``: the logit instead of the model's
+    activation of it (TEI's ``raw_scores``); ``model``: the model the request names (Cohere's route), None for none.
+    """
+
+    query: str
+    documents: list[str]
+    documents_field: str = "documents"
+    truncate: str = "END"
+    top_n: int | None = None
+    return_documents: bool = False
+    raw_scores: bool = False
+    latency_budget_ms: float | None = None
+    model: str | None = None
+
+
+def _flag(body: dict[str, Any], field: str, default: bool) -> bool:
+    value = body.get(field, default)
+    if not isinstance(value, bool):
+        raise invalid(field, f"'{field}' must be true or false; got {value!r}")
+    return value
+
+
+def _query(body: dict[str, Any]) -> str:
+    if "query" not in body:
+        raise ApiError(400, "'query' is required", param="query", code="missing_field")
+    if not isinstance(body["query"], str):
+        raise invalid("query", f"'query' must be a string; got {type(body['query']).__name__}")
+    return body["query"]
+
+
+def tei_rerank_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> RerankRequest:
+    """Read a text-embeddings-inference ``/rerank`` request.
+
+    Fields: ``query``, ``texts`` (a non-empty list of strings), ``raw_scores``, ``return_text``, ``truncate`` (bool,
+    default true), ``truncation_direction`` (``Right``, the default, or ``Left``), ``latency_budget_ms``.
+
+    Raises:
+        ApiError: 400 naming the field, the limit and the value.
+    """
+    body = _object(body)
+    query = _query(body)
+    if "texts" not in body:
+        raise ApiError(400, "'texts' is required", param="texts", code="missing_field")
+    if isinstance(body["texts"], str):
+        raise invalid("texts", "'texts' must be a list of strings; got a string")
+    truncate = _flag(body, "truncate", True)
+    direction = body.get("truncation_direction") or "Right"
+    if direction not in ("Right", "Left"):
+        raise invalid("truncation_direction", f"'truncation_direction' must be 'Right' or 'Left'; got {direction!r}")
+    return RerankRequest(
+        query,
+        _texts(body["texts"], "texts", max_inputs),
+        documents_field="texts",
+        truncate=("END" if direction == "Right" else "START") if truncate else "NONE",
+        return_documents=_flag(body, "return_text", False),
+        raw_scores=_flag(body, "raw_scores", False),
+        latency_budget_ms=_budget(body),
+    )
+
+
+def cohere_rerank_request(body: Any, max_inputs: int = DEFAULT_MAX_INPUTS) -> RerankRequest:
+    """Read a Cohere- or Jina-style ``/v1/rerank`` request.
+
+    Fields: ``model``, ``query``, ``documents`` (a non-empty list of strings or of ``{"text": ...}`` objects),
+    ``top_n`` (an integer >= 1; more than the documents answers them all), ``return_documents`` (default false, as
+    Cohere's), ``truncate`` (``END``, the default, ``START`` or ``NONE``), ``latency_budget_ms``.
+
+    Raises:
+        ApiError: 400 naming the field, the limit and the value.
+    """
+    body = _object(body)
+    query = _query(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", f"'model' must be a string; got {type(model).__name__}")
+    if "documents" not in body:
+        raise ApiError(400, "'documents' is required", param="documents", code="missing_field")
+    given = body["documents"]
+    if isinstance(given, list):
+        given = [
+            item["text"] if isinstance(item, dict) and isinstance(item.get("text"), str) else item for item in given
+        ]
+    documents = _texts(given, "documents", max_inputs) if not isinstance(given, str) else [given]
+    top_n = body.get("top_n")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise invalid("top_n", f"'top_n' must be an integer >= 1; got {top_n!r}")
+    truncate = body.get("truncate") or "END"
+    if truncate not in TRUNCATIONS:
+        raise invalid("truncate", f"'truncate' must be one of {list(TRUNCATIONS)}; got {truncate!r}")
+    return RerankRequest(
+        query,
+        documents,
+        truncate=truncate,
+        top_n=top_n,
+        return_documents=_flag(body, "return_documents", False),
+        latency_budget_ms=_budget(body),
+        model=model,
+    )
+
+
+Scores = npt.NDArray[np.float32]
+"""One score per document, float32 ``(n,)``."""
+
+
+def ranked(scores: Scores, top_n: int | None = None) -> list[int]:
+    """Indexes of ``scores`` from the highest score down (ties in document order), the first ``top_n`` (None: all)."""
+    order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))
+    return order if top_n is None else order[:top_n]
+
+
+def tei_rerank_response(request: RerankRequest, scores: Scores) -> list[dict[str, Any]]:
+    """TEI's ``/rerank`` answer: ``[{"index", "score"[, "text"]}]``, highest score first."""
+    return [
+        {"index": i, "score": float(scores[i]), **({"text": request.documents[i]} if request.return_documents else {})}
+        for i in ranked(scores)
+    ]
+
+
+def cohere_rerank_response(
+    request: RerankRequest, scores: Scores, token_counts: Counts, model: str, request_id: str
+) -> dict[str, Any]:
+    """The ``/v1/rerank`` answer as Cohere's and Jina's clients read it.
+
+    ``id``, ``model``, ``results`` (``index``, ``relevance_score``[, ``document``: ``{"text"}``]), highest score first,
+    ``top_n`` of them, and ``usage``.
+    """
+    tokens = int(token_counts.sum())
+    results = [
+        {
+            "index": i,
+            "relevance_score": float(scores[i]),
+            **({"document": {"text": request.documents[i]}} if request.return_documents else {}),
+        }
+        for i in ranked(scores, request.top_n)
+    ]
+    return {
+        "id": request_id, "model": model, "results": results,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "meta": {"billed_units": {"search_units": 1}},
+    }  # fmt: skip

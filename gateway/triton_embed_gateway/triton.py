@@ -1,4 +1,4 @@
-"""The gateway's one connection to Triton: the ``embed`` ensemble over gRPC (tritonclient's asyncio client).
+"""The gateway's connection to one ensemble of Triton, an embedder's or a reranker's, over gRPC (asyncio tritonclient).
 
 One channel serves every request. A list longer than the ensemble's ``max_batch_size`` is sent as several requests
 at once (never refused as overloaded, as the client library sends them) and reassembled in order. Triton's errors
@@ -20,15 +20,17 @@ import tritonclient.grpc.aio as grpcclient
 from triton_embed_protocol import refusal_reason, step_names
 from tritonclient.utils import InferenceServerException
 
-from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, Vectors, shorten
+from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, RerankRequest, Scores, Vectors, shorten
 from triton_embed_gateway.tracing import Tracing
 
 TEXT, PROMPT_NAME, TRUNCATE = "TEXT", "PROMPT_NAME", "TRUNCATE"
 EMBEDDING, TOKEN_COUNT = "EMBEDDING", "TOKEN_COUNT"
+QUERY, DOCUMENT, SCORE, LOGIT = "QUERY", "DOCUMENT", "SCORE", "LOGIT"  # a reranker's ensemble
 TOKENIZER_COUNT = "token_count"  # noqa: S105 - the tokenizer step's output of token counts
 RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
 _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
+_PAIR_ROW = re.compile(r"input 'TEXT_PAIR' row (\d+)")
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, on an error from a step: not the caller's concern
 
 
@@ -38,13 +40,15 @@ class ModelInfo:
 
     ``max_batch_size``: texts per Triton request; ``dim``: embedding width; ``max_tokens``: the model's
     max_seq_length, from the tokenizer's ``MAX_SEQ_LENGTH`` (None without it); ``precision``: what the encoder
-    computes at (``fp32``, ``bf16``, ``fp16``), from the encoder's ``PRECISION`` (None without it).
+    computes at (``fp32``, ``bf16``, ``fp16``), from the encoder's ``PRECISION`` (None without it); ``kind``:
+    ``embedder``, or ``reranker`` for an ensemble that scores (QUERY, DOCUMENT) pairs (``dim`` 1).
     """
 
     max_batch_size: int
     dim: int
     max_tokens: int | None = None
     precision: str | None = None
+    kind: str = "embedder"
 
 
 def _status(exc: InferenceServerException) -> str:
@@ -76,6 +80,21 @@ def api_error(
     if "DEADLINE_EXCEEDED" in status:
         return ApiError(504, message, code="timeout")
     return ApiError(502, message, code="triton_error")
+
+
+def rerank_error(exc: InferenceServerException, offset: int, field: str) -> ApiError:
+    """:func:`api_error` for a reranker's request: a document's row becomes ``'<field>[i]'``, the query ``'query'``."""
+    status, message = _status(exc), _ENSEMBLE_PREFIX.sub("", exc.message() or str(exc))
+    if "INVALID_ARGUMENT" not in status:
+        return api_error(exc)
+    param = field
+    if row := _PAIR_ROW.search(message):
+        param = f"{field}[{int(row.group(1)) + offset}]"
+        message = _PAIR_ROW.sub(lambda m: f"'{field}[{int(m.group(1)) + offset}]'", message)
+        message = message.replace("its 'TEXT'", "the query")
+    elif _ROW.search(message):
+        param, message = "query", _ROW.sub("'query'", message)
+    return ApiError(400, message, param=param, code="invalid_value")
 
 
 def _bytes_input(name: str, values: list[str]) -> grpcclient.InferInput:
@@ -126,12 +145,14 @@ class TritonEmbedder:
                 ]
             except InferenceServerException as exc:
                 raise api_error(exc) from exc
-            dims = next(o["dims"] for o in config["output"] if o["name"] == EMBEDDING)
+            outputs = {o["name"]: o for o in config["output"]}
+            kind = "reranker" if SCORE in outputs else "embedder"
+            dims = outputs[SCORE if kind == "reranker" else EMBEDDING]["dims"]
             tokenizer, encoder = steps
             limit = tokenizer.get("parameters", {}).get("MAX_SEQ_LENGTH", {}).get("string_value")
             precision = encoder.get("parameters", {}).get("PRECISION", {}).get("string_value")
             self._info = ModelInfo(
-                int(config["max_batch_size"]), int(dims[-1]), int(limit) if limit else None, precision or None
+                int(config["max_batch_size"]), int(dims[-1]), int(limit) if limit else None, precision or None, kind
             )
         return self._info
 
@@ -183,6 +204,80 @@ class TritonEmbedder:
         if counts is None:  # a cache hit on a response first asked for without it
             counts = await self._token_counts(inputs, errors)
         return result.as_numpy(EMBEDDING), counts.reshape(-1).astype(np.int64)
+
+    async def rerank(self, request: RerankRequest) -> tuple[Scores, Counts]:
+        """Score each of ``request.documents`` against ``request.query``.
+
+        Returns float32 ``(n,)`` (the model's activation, or the raw logits with ``request.raw_scores``) and int64
+        ``(n,)`` tokens per pair (after truncation). A list longer than the ensemble's ``max_batch_size`` is sent as
+        several requests at once, never refused.
+
+        Raises:
+            ApiError: see the module's mapping; a bad document is named by its index under
+                ``request.documents_field``, a bad query as ``query``.
+        """
+        info = await self.info()
+        step, documents = info.max_batch_size, request.documents
+        starts = range(0, len(documents), step)
+        bulk = len(starts) > 1
+        parts = await asyncio.gather(*(self._score(documents[i : i + step], i, request, bulk) for i in starts))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    async def _score(
+        self, documents: list[str], offset: int, request: RerankRequest, bulk: bool
+    ) -> tuple[Scores, Counts]:
+        n = len(documents)
+        inputs = [
+            _bytes_input(QUERY, [request.query] * n), _bytes_input(DOCUMENT, documents),
+            _bytes_input(TRUNCATE, [request.truncate] * n),
+        ]  # fmt: skip
+        wanted = LOGIT if request.raw_scores else SCORE
+        # all three, always: the response cache answers later requests with the outputs the first one asked for
+        outputs = [grpcclient.InferRequestedOutput(name) for name in (SCORE, LOGIT, TOKEN_COUNT)]
+        budget = 0 if bulk else request.latency_budget_ms
+        parameters = None if budget is None else {"latency_budget_ms": budget}
+        with self.tracing.triton_call(self.model, n) as metadata:
+            try:
+                result = await self._client.infer(
+                    self.model, inputs, outputs=outputs, parameters=parameters, client_timeout=self.timeout_s,
+                    headers=metadata or None,
+                )  # fmt: skip
+            except InferenceServerException as exc:
+                raise rerank_error(exc, offset, request.documents_field) from exc
+        scores, counts = result.as_numpy(wanted), result.as_numpy(TOKEN_COUNT)
+        if scores is None or counts is None:  # a cache hit on a direct caller's response that asked for fewer
+            try:
+                scores, counts = await self._score_by_steps(request, documents, wanted)
+            except InferenceServerException as exc:
+                raise rerank_error(exc, offset, request.documents_field) from exc
+        return scores.reshape(-1).astype(np.float32), counts.reshape(-1).astype(np.int64)
+
+    async def _score_by_steps(self, request: RerankRequest, documents: list[str], wanted: str) -> tuple[Scores, Counts]:
+        """The ensemble's two steps called one after the other.
+
+        The response cache keys on the inputs only (a Triton 2.51 workaround, as :meth:`_token_counts`), so a hit that
+        lacks an output cannot be asked for it again.
+        """
+        n = len(documents)
+        inputs = [
+            _bytes_input(TEXT, [request.query] * n), _bytes_input("TEXT_PAIR", documents),
+            _bytes_input(TRUNCATE, [request.truncate] * n),
+        ]  # fmt: skip
+        tokens = await self._client.infer(
+            self.tokenizer, inputs, client_timeout=self.timeout_s,
+            outputs=[grpcclient.InferRequestedOutput(n) for n in ("input_ids", "attention_mask", TOKENIZER_COUNT)],
+        )  # fmt: skip
+        steps = []
+        for name in ("input_ids", "attention_mask"):
+            array = tokens.as_numpy(name)
+            tensor = grpcclient.InferInput(name, list(array.shape), "INT64")
+            tensor.set_data_from_numpy(array)
+            steps.append(tensor)
+        output = "logit__0" if wanted == LOGIT else "embedding__0"
+        result = await self._client.infer(
+            self.encoder, steps, outputs=[grpcclient.InferRequestedOutput(output)], client_timeout=self.timeout_s
+        )
+        return result.as_numpy(output), tokens.as_numpy(TOKENIZER_COUNT)
 
     async def _token_counts(
         self, inputs: list[grpcclient.InferInput], errors: Callable[[InferenceServerException], ApiError]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from triton_embed.cli import _parser
+from triton_embed.cli import _parser, model_of
 
-COMMANDS = {"embed": ["a text"], "similarity": ["one", "two"], "health": [], "stats": []}
+COMMANDS = {"embed": ["a text"], "similarity": ["one", "two"], "health": [], "stats": [], "rerank": ["q", "d"]}
 OPTIONS = ["--url", "10.0.0.5:9001", "--protocol", "http", "--model", "other", "--timeout", "2.5", "--json"]
 
 
@@ -37,13 +37,10 @@ def test_options_before_and_after_the_subcommand_parse_alike(command):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_without_options_the_defaults_hold(command):
     args = parse(command, *COMMANDS[command])
-    assert (args["url"], args["protocol"], args["model"], args["timeout"], args["json"]) == (
-        None,
-        None,
-        "embed",
-        30.0,
-        False,
-    )
+    assert (args["url"], args["protocol"], args["timeout"], args["json"]) == (None, None, 30.0, False)
+    # the model a user names by `make model ... NAME=`: embed, and rerank for the rerank command
+    assert model_of(argparse.Namespace(**args)) == ("rerank" if command == "rerank" else "embed")
+    assert model_of(argparse.Namespace(**parse(command, "--model", "multi", *COMMANDS[command]))) == "multi"
 
 
 def test_the_value_after_the_subcommand_wins():
@@ -55,7 +52,7 @@ def test_every_subcommand_takes_every_main_option():
     main_options = {s for a in _parser()._actions for s in a.option_strings} - {"-h", "--help", "--version"}
     assert main_options >= {"--url", "--protocol", "--model", "--timeout", "--json"}
     clients = {name: sub for name, sub in subparsers().items() if name != "gateway"}  # takes the gateway's own
-    assert set(clients) == {"embed", "similarity", "health", "stats"}
+    assert set(clients) == {"embed", "similarity", "health", "stats", "rerank"}
     for name, sub in clients.items():
         assert main_options <= {s for a in sub._actions for s in a.option_strings}, name
 
