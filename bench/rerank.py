@@ -1,0 +1,132 @@
+"""Rerank throughput: pairs/s at p99 <= 200 ms for a query with 16 and with 64 documents, served vs in-process.
+
+The reranker is a stand-in of cross-encoder/ms-marco-MiniLM-L6-v2's size and shape, which cannot be had offline:
+all-MiniLM-L6-v2's own 6-layer BERT (the packaged one) under a one-label classification head with random weights,
+saved as a sentence-transformers CrossEncoder. Compute per pair is the real model's; its scores mean nothing.
+
+* ceiling: ``CrossEncoder.predict`` in this process on the same pairs, one query's documents per call, as a caller
+  without a server would run them (all cores, torch's own threads).
+* served: ``make model`` of the stand-in as ``rerank`` at ``--precision`` (default: the export's auto choice), one
+  ``make serve``-style server, closed loops of the client library's ``rerank()`` at rising concurrency; each request
+  is a query never sent before with the next documents of the corpus (no response cache hits).
+
+``python -m bench.rerank`` (``make bench-rerank``); ~4 min on 2 cores. Prints one table with the ratio to the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.encoder import cpu_model
+from bench.loadgen import best_under_sla, sweep
+from loadtest.corpus import CorpusError, load_corpus
+
+
+def stand_in(folder: Path) -> Path:
+    """The stand-in cross-encoder in ``folder`` (made once): packaged MiniLM + a random one-label head."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer, BertForSequenceClassification
+    from triton_embed_server.export import default_model_path
+
+    model_dir = folder / "model"
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    source = default_model_path()
+    torch.manual_seed(0)
+    hf = folder / "hf"
+    BertForSequenceClassification.from_pretrained(str(source), num_labels=1).save_pretrained(hf)
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(hf)
+    CrossEncoder(str(hf), device="cpu", max_length=512).save(str(model_dir))
+    return model_dir
+
+
+def ceiling(model_dir: Path, queries: list[str], documents: list[str], size: int, seconds: float) -> float:
+    """Pairs/s of ``CrossEncoder.predict`` in this process, one call per query with ``size`` documents."""
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(str(model_dir), device="cpu")
+    docs = itertools.cycle(documents)
+    model.predict([(queries[0], next(docs)) for _ in range(size)], batch_size=size)  # warm
+    pairs, start = 0, time.perf_counter()
+    for query in itertools.cycle(queries):
+        model.predict([(query, next(docs)) for _ in range(size)], batch_size=size, show_progress_bar=False)
+        pairs += size
+        if time.perf_counter() - start >= seconds:
+            return pairs / (time.perf_counter() - start)
+    raise AssertionError("unreachable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export, serve, sweep, print."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, help="text file, one text per line (default: STS-B)")
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
+    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
+    parser.add_argument("--sla-ms", type=float, default=200.0)
+    parser.add_argument("--precision", default="auto", help="the export's PRECISION (default: auto)")
+    parser.add_argument("--work", type=Path, default=Path(".build/bench/rerank"), help="the stand-in's folder")
+    args = parser.parse_args(argv)
+    try:
+        texts = load_corpus(args.corpus)
+    except CorpusError as exc:
+        sys.exit(str(exc))
+    texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]
+    half = len(texts) // 2
+    queries, documents = texts[:half], texts[half:]
+
+    from triton_embed import EmbeddingClient
+    from triton_embed_server import export as exporter
+    from triton_embed_server.embedded import EmbeddedServer
+    from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags
+
+    model_dir = stand_in(args.work)
+    native = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "no native bf16"
+    print(f"machine: {platform.machine()}, {cpu_model()} ({native}), {os.cpu_count()} CPUs, no GPU")
+    print(f"reranker: {model_dir} (all-MiniLM-L6-v2's BERT + a random one-label head)")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = exporter.export(model_dir, Path(tmp) / "repo", precision=args.precision, name="rerank")
+        print(f"served at {manifest.precision} ({manifest.precision_reason})")
+        with EmbeddedServer(model_repository=Path(tmp) / "repo", http_port=0, grpc_port=0, metrics_port=0,
+                            log_file=Path(tmp) / "log") as server:  # fmt: skip
+            fresh = itertools.count()  # every request a query never sent before: no response cache hits
+            for size in args.sizes:
+
+                def make_sender(size: int = size):
+                    client = EmbeddingClient(url=server.grpc_url, model="rerank", retries=0)
+
+                    def send(_: str) -> None:
+                        k = next(fresh)
+                        docs = [documents[(k * size + j) % len(documents)] for j in range(size)]
+                        client.rerank(queries[k % len(queries)] + f" #{k}", docs)
+
+                    return send
+
+                print(f"served, {size} documents per request:")
+                levels = sweep(make_sender, queries, levels=args.levels, duration_s=args.duration, sla_ms=args.sla_ms)
+                best = best_under_sla(levels, args.sla_ms)
+                top = ceiling(model_dir, queries, documents, size, args.duration)
+                served = best.throughput * size if best else 0.0
+                rows.append((size, served, best, top))
+    print(f"\n| documents per request | served pairs/s at p99 <= {args.sla_ms:.0f} ms | concurrency | p99 ms | "
+          "CrossEncoder.predict pairs/s | x ceiling |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size, served, best, top in rows:
+        where = f"{best.concurrency} | {best.p99_ms:.0f}" if best else "- | -"
+        print(f"| {size} | {served:.0f} | {where} | {top:.0f} | {served / top:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
