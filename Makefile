@@ -33,7 +33,8 @@ GATEWAY_PORT ?= 8080
 # Seconds make serve waits for the model to be READY; a long max_seq_length warms up for minutes on a CPU.
 READY_TIMEOUT ?= 300
 PYTEST_ARGS ?=
-# make loadtest / loadtest-ui / capacity: where the server is, which model (NAME; default embed) and how hard to push
+# make loadtest / loadtest-ui / capacity: where the server is, which model (NAME; default embed; RERANK: a reranker
+# called beside it) and how hard to push
 # (defaults fit a 2-core machine).
 TRITON_HOST ?= 127.0.0.1
 USERS ?= 8
@@ -44,7 +45,8 @@ LOCUST_ARGS ?=
 CAPACITY_USERS ?= 1,2,4,8,16,32
 CAPACITY_STEP_S ?= 30
 LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST) --http-port $(HTTP_PORT) \
-	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS) $(if $(NAME),--model $(NAME))
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS) $(if $(NAME),--model $(NAME)) \
+	$(if $(RERANK),--rerank-model $(RERANK))
 
 .PHONY: install peers client-test model remove-model reference-model serve test unit lint typecheck tune bench bench-encoder bench-precision bench-overload bench-bulk bench-rerank perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 

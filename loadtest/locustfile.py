@@ -36,6 +36,10 @@ def add_options(parser) -> None:
     group.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port (also used for statistics)")
     group.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     group.add_argument("--model", default="embed", help="the ensemble to call")
+    group.add_argument(
+        "--rerank-model", default=None,
+        help="a reranker's ensemble: each user also reranks 8 texts against one (weight 2 of 13), same SLA",
+    )  # fmt: skip
     group.add_argument("--corpus", default=None, help="text file, one text per line (default: STS-B train+dev)")
     group.add_argument(
         "--deck-seed", type=int, default=None,

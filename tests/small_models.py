@@ -180,6 +180,18 @@ def _config(family: Family, vocab_size: int, dim: int, max_positions: int):
     return AutoConfig.for_model(family.model_type, **fields)
 
 
+def _family_tokenizer(family: Family, folder: Path, max_length: int):
+    """The family's tokenizer saved into ``folder``: the packaged MiniLM WordPiece one, or one trained here."""
+    from transformers import AutoTokenizer
+    from triton_embed_server.export import default_model_path
+
+    if family.tokenizer != "wordpiece":
+        return _trained_tokenizer(family.tokenizer, folder, max_length)
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
 def small_sentence_transformer(
     folder: Path,
     dim: int,
@@ -197,18 +209,12 @@ def small_sentence_transformer(
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as st_modules
-    from transformers import AutoModel, AutoTokenizer
-    from triton_embed_server.export import default_model_path
+    from transformers import AutoModel
 
     family = ARCHITECTURES[architecture]
     hf_folder = folder / "hf"
-    if family.tokenizer == "wordpiece":
-        tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
-        tokenizer.save_pretrained(hf_folder)
-    else:
-        tokenizer = _trained_tokenizer(family.tokenizer, hf_folder, max_seq_length)
     # RoBERTa-style position ids start at padding_idx + 1: two more positions than tokens
-    config = _config(family, len(tokenizer), dim, max_seq_length + 2)
+    config = _config(family, len(_family_tokenizer(family, hf_folder, max_seq_length)), dim, max_seq_length + 2)
     torch.manual_seed(0)
     AutoModel.from_config(config).save_pretrained(hf_folder)
     modules = [
@@ -245,17 +251,11 @@ def small_cross_encoder(folder: Path, *, architecture: str = "bert", dim: int = 
     default activation (sigmoid). Returns the model's folder."""
     import torch
     from sentence_transformers import CrossEncoder
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from triton_embed_server.export import default_model_path
+    from transformers import AutoModelForSequenceClassification
 
     family = ARCHITECTURES[architecture]
     hf_folder = folder / "hf"
-    if family.tokenizer == "wordpiece":
-        tokenizer = AutoTokenizer.from_pretrained(str(default_model_path()))
-        tokenizer.save_pretrained(hf_folder)
-    else:
-        tokenizer = _trained_tokenizer(family.tokenizer, hf_folder, max_seq_length)
-    config = _config(family, len(tokenizer), dim, max_seq_length + 2)
+    config = _config(family, len(_family_tokenizer(family, hf_folder, max_seq_length)), dim, max_seq_length + 2)
     config.num_labels = 1
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)

@@ -257,3 +257,19 @@ def test_make_model_names_what_it_cannot_serve_as_a_reranker_in_one_line(tmp_pat
         )  # fmt: skip
         assert done.returncode != 0 and words in done.stderr, done.stderr[-600:]
         assert len([line for line in done.stderr.splitlines() if words[:30] in line]) == 1
+
+
+def test_make_loadtest_reranks_beside_embedding_under_the_same_gate(served, tmp_path):
+    """``make loadtest NAME=embed RERANK=rerank``: Locust's users rerank 8 texts against one beside their embeds."""
+    from test_loadtest import locust
+
+    server, _ = served
+    (tmp_path / "run").mkdir()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"{d} {i}" for i in range(40) for d in ("a man plays", "cheese in the sun")) + "\n")
+    done, report, _ = locust(server, tmp_path / "run", "GrpcUser", "--model", "embed", "--rerank-model", "rerank",
+                             "--corpus", str(corpus), "--sla-ms", "1000", seconds=15)  # fmt: skip
+    assert done.returncode == 0 and report is not None, done.stderr[-2000:]
+    stats = {row["name"]: row for row in json.loads((tmp_path / "run" / "locust.json").read_text())}
+    assert stats["rerank rerank x8"]["num_requests"] > 0 and stats["rerank rerank x8"]["num_failures"] == 0
+    assert stats["embed x1"]["num_requests"] > stats["rerank rerank x8"]["num_requests"]

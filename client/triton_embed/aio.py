@@ -23,10 +23,10 @@ from triton_embed.core import (
     Steps,
     advance,
     check_dimensions,
-    check_top_n,
     grpc_channel_args,
     max_batch_and_dim,
     ranked,
+    rerank_arguments,
     shorten,
 )
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, connection_cut, from_triton
@@ -198,10 +198,7 @@ class AsyncEmbeddingClient(ClientCore):
 
         Same inputs, options, result and errors as the sync client's :meth:`~triton_embed.EmbeddingClient.rerank`.
         """
-        check_top_n(top_n)
-        CallOptions(None, truncate)  # checks truncate
-        (text,) = as_texts(query)
-        items = as_texts(documents)
+        text, items = rerank_arguments(query, documents, top_n, truncate)
         if not items:
             return []
         self._check_open()

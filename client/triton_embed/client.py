@@ -24,10 +24,10 @@ from triton_embed.core import (
     Steps,
     advance,
     check_dimensions,
-    check_top_n,
     grpc_channel_args,
     max_batch_and_dim,
     ranked,
+    rerank_arguments,
     shorten,
 )
 from triton_embed.errors import EmbeddingError, InvalidInputError, at_call_index, connection_cut, from_triton
@@ -280,10 +280,7 @@ class EmbeddingClient(ClientCore):
             InvalidInputError: a text is not str/UTF-8, the model is not a reranker, or the server rejected a pair.
             ServerUnavailableError, EmbeddingTimeoutError, ServerError: as :meth:`embed`.
         """
-        check_top_n(top_n)
-        CallOptions(None, truncate)  # checks truncate
-        (text,) = as_texts(query)
-        items = as_texts(documents)
+        text, items = rerank_arguments(query, documents, top_n, truncate)
         if not items:
             return []
         self._own_process()

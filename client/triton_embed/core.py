@@ -41,7 +41,7 @@ from triton_embed import server_stats
 from triton_embed.client_stats import ClientStats, Counters
 from triton_embed.endpoints import EndpointPool, EndpointState, resolve_all
 from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
-from triton_embed.inputs import Embeddings, Scores
+from triton_embed.inputs import Embeddings, Scores, TextsLike, as_texts
 from triton_embed.request_builder import OUTPUT, CallOptions, RequestBuilder
 from triton_embed.settings import Settings, copied, traced
 from triton_embed.shm import Region, ShmPool, close_pool_at_exit, region_in_use, release_pauses
@@ -214,14 +214,21 @@ def ranked(documents: list[str], scores: Scores, top_n: int | None) -> list[Rank
     return [Ranked(i, float(scores[i]), documents[i]) for i in order[:top_n]]
 
 
-def check_top_n(top_n: int | None) -> None:
-    """Check a ``top_n`` argument (None passes).
+def rerank_arguments(
+    query: str | bytes, documents: TextsLike, top_n: int | None, truncate: str | None
+) -> tuple[str, list[str]]:
+    """A rerank call's ``(query, documents)`` as str, after its arguments are checked (before anything is sent).
 
     Raises:
-        ValueError: not an integer >= 1.
+        ValueError: ``top_n`` is not an integer >= 1, or ``truncate`` not one of END, START, NONE.
+        InvalidInputError: the query is not one str or UTF-8 bytes, or a document is not text.
     """
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
         raise ValueError(f"top_n must be an integer >= 1; got {top_n!r}")
+    CallOptions(None, truncate)  # checks truncate
+    if not isinstance(query, str | bytes):
+        raise InvalidInputError(f"the query must be one str or UTF-8 bytes; got {type(query).__name__}")
+    return as_texts(query)[0], as_texts(documents)
 
 
 def check_dimensions(dimensions: int | None, width: int) -> None:

@@ -265,13 +265,16 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
 
         return endpoint
 
+    def counted(texts: int, tokens: Counts) -> None:
+        metrics.texts.inc(texts)
+        metrics.tokens.inc(int(tokens.sum()))
+        annotate(tokens=int(tokens.sum()))
+
     async def embed(request: EmbedRequest, field: str, model: str | None = None) -> tuple[str, Vectors, Counts]:
         name, embedder = await chosen(model)
         annotate(texts=len(request.texts), model=name)
         vectors, tokens = await embedder.embed(request, field)
-        metrics.texts.inc(len(request.texts))
-        metrics.tokens.inc(int(tokens.sum()))
-        annotate(tokens=int(tokens.sum()))
+        counted(len(request.texts), tokens)
         return name, vectors, tokens
 
     async def openai_embeddings(request: Request) -> Response:
@@ -288,9 +291,7 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
         name, reranker = await chosen(request.model, "reranker")
         annotate(texts=len(request.documents), model=name)
         scores, tokens = await reranker.rerank(request)
-        metrics.texts.inc(len(request.documents))
-        metrics.tokens.inc(int(tokens.sum()))
-        annotate(tokens=int(tokens.sum()))
+        counted(len(request.documents), tokens)
         return name, scores, tokens
 
     async def tei_rerank(request: Request) -> Response:

@@ -187,23 +187,35 @@ class TritonEmbedder:
         inputs = [_bytes_input(TEXT, texts), _bytes_input(TRUNCATE, [request.truncate] * len(texts))]
         if request.prompt_name is not None:
             inputs.append(_bytes_input(PROMPT_NAME, [request.prompt_name] * len(texts)))
-        outputs = [grpcclient.InferRequestedOutput(EMBEDDING), grpcclient.InferRequestedOutput(TOKEN_COUNT)]
-        # one refused chunk would fail the whole call: the chunks of a split list are never refused
-        budget = 0 if bulk else request.latency_budget_ms
-        parameters = None if budget is None else {"latency_budget_ms": budget}
         errors = functools.partial(api_error, offset=offset, field=field, prompt_field=request.prompt_field)
-        with self.tracing.triton_call(self.model, len(texts)) as metadata:
-            try:
-                result = await self._client.infer(
-                    self.model, inputs, outputs=outputs, parameters=parameters, client_timeout=self.timeout_s,
-                    headers=metadata or None,
-                )  # fmt: skip
-            except InferenceServerException as exc:
-                raise errors(exc) from exc
+        result = await self._ensemble(inputs, (EMBEDDING, TOKEN_COUNT), len(texts), request.latency_budget_ms, bulk,
+                                      errors)  # fmt: skip
         counts = result.as_numpy(TOKEN_COUNT)
         if counts is None:  # a cache hit on a response first asked for without it
             counts = await self._token_counts(inputs, errors)
         return result.as_numpy(EMBEDDING), counts.reshape(-1).astype(np.int64)
+
+    async def _ensemble(  # noqa: PLR0913, PLR0917 - one request's pieces
+        self, inputs: list[grpcclient.InferInput], outputs: tuple[str, ...], rows: int, budget: float | None,
+        bulk: bool, errors: Callable[[InferenceServerException], ApiError],
+    ) -> grpcclient.InferResult:  # fmt: skip
+        """One request to the ensemble, traced; ``budget`` its ``latency_budget_ms`` (0 for a ``bulk`` chunk).
+
+        Raises:
+            ApiError: ``errors`` of Triton's error.
+        """
+        # one refused chunk would fail the whole call: the chunks of a split list are never refused
+        budget = 0 if bulk else budget
+        parameters = None if budget is None else {"latency_budget_ms": budget}
+        requested = [grpcclient.InferRequestedOutput(name) for name in outputs]
+        with self.tracing.triton_call(self.model, rows) as metadata:
+            try:
+                return await self._client.infer(
+                    self.model, inputs, outputs=requested, parameters=parameters, client_timeout=self.timeout_s,
+                    headers=metadata or None,
+                )  # fmt: skip
+            except InferenceServerException as exc:
+                raise errors(exc) from exc
 
     async def rerank(self, request: RerankRequest) -> tuple[Scores, Counts]:
         """Score each of ``request.documents`` against ``request.query``.
@@ -232,18 +244,9 @@ class TritonEmbedder:
             _bytes_input(TRUNCATE, [request.truncate] * n),
         ]  # fmt: skip
         wanted = LOGIT if request.raw_scores else SCORE
+        errors = functools.partial(rerank_error, offset=offset, field=request.documents_field)
         # all three, always: the response cache answers later requests with the outputs the first one asked for
-        outputs = [grpcclient.InferRequestedOutput(name) for name in (SCORE, LOGIT, TOKEN_COUNT)]
-        budget = 0 if bulk else request.latency_budget_ms
-        parameters = None if budget is None else {"latency_budget_ms": budget}
-        with self.tracing.triton_call(self.model, n) as metadata:
-            try:
-                result = await self._client.infer(
-                    self.model, inputs, outputs=outputs, parameters=parameters, client_timeout=self.timeout_s,
-                    headers=metadata or None,
-                )  # fmt: skip
-            except InferenceServerException as exc:
-                raise rerank_error(exc, offset, request.documents_field) from exc
+        result = await self._ensemble(inputs, (SCORE, LOGIT, TOKEN_COUNT), n, request.latency_budget_ms, bulk, errors)
         scores, counts = result.as_numpy(wanted), result.as_numpy(TOKEN_COUNT)
         if scores is None or counts is None:  # a cache hit on a direct caller's response that asked for fewer
             try:

@@ -655,16 +655,7 @@ def tokenize_pairs_like_server(tokenizer, pairs: list[tuple[str, str]], pad_id: 
         ``(input_ids, segments)``, int64 numpy ``(len(pairs), longest)``; ``segments`` 0 on padding, else the
         token's type id + 1 (``encoder_module.PairScorer``).
     """
-    import numpy as np
-
-    encodings = tokenizer.encode_batch(pairs)
-    longest = max(len(e.ids) for e in encodings)
-    ids = np.full((len(pairs), longest), pad_id, dtype=np.int64)
-    segments = np.zeros((len(pairs), longest), dtype=np.int64)
-    for row, enc in enumerate(encodings):
-        ids[row, : len(enc.ids)] = enc.ids
-        segments[row, : len(enc.ids)] = np.asarray(enc.type_ids) + 1
-    return ids, segments
+    return tokenize_like_server(tokenizer, pairs, pad_id, pairs=True)
 
 
 def score_like_server(tokenizer, traced, pairs: list[tuple[str, str]]):
@@ -765,13 +756,14 @@ def _copy(tokenizer):
     return Tokenizer.from_str(tokenizer.to_str())
 
 
-def tokenize_like_server(tokenizer, texts: list[str], pad_id: int = 0):
+def tokenize_like_server(tokenizer, texts: list, pad_id: int = 0, *, pairs: bool = False):
     """Tokenise ``texts`` the way the served pipeline does: per-text ids, one batch padded to its longest.
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer`` with padding off (truncation as exported).
-        texts: the texts, at least one.
+        texts: the texts (or, with ``pairs``, (query, document) tuples), at least one.
         pad_id: the id padding positions hold (their mask is 0, so it does not change any embedding).
+        pairs: the mask holds each token's type id + 1 (:func:`tokenize_pairs_like_server`), not 1.
 
     Returns:
         ``(input_ids, attention_mask)``, int64 numpy ``(len(texts), longest)``.
@@ -784,7 +776,7 @@ def tokenize_like_server(tokenizer, texts: list[str], pad_id: int = 0):
     mask = np.zeros((len(texts), longest), dtype=np.int64)
     for row, enc in enumerate(encodings):
         ids[row, : len(enc.ids)] = enc.ids
-        mask[row, : len(enc.ids)] = 1
+        mask[row, : len(enc.ids)] = np.asarray(enc.type_ids) + 1 if pairs else 1
     return ids, mask
 
 
