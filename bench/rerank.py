@@ -9,6 +9,8 @@ saved as a sentence-transformers CrossEncoder. Compute per pair is the real mode
 * served: ``make model`` of the stand-in as ``rerank`` at ``--precision`` (default: the export's auto choice), one
   ``make serve``-style server, closed loops of the client library's ``rerank()`` at rising concurrency; each request
   is a query never sent before with the next documents of the corpus (no response cache hits).
+* Infinity (``make peers``; skipped without its venv): the same folder served by ``infinity_emb v2`` (torch engine,
+  fp32), its ``/rerank`` swept the same way over HTTP/JSON; its scores checked against ``CrossEncoder.predict``.
 
 ``python -m bench.rerank`` (``make bench-rerank``); ~4 min on 2 cores. Prints one table with the ratio to the ceiling.
 """
@@ -28,6 +30,7 @@ import numpy as np
 
 from bench.encoder import cpu_model
 from bench.loadgen import best_under_sla, sweep
+from bench.run import INFINITY, json_sender, post_json, wait_http
 from loadtest.corpus import CorpusError, load_corpus
 
 
@@ -64,6 +67,48 @@ def ceiling(model_dir: Path, queries: list[str], documents: list[str], size: int
         if time.perf_counter() - start >= seconds:
             return pairs / (time.perf_counter() - start)
     raise AssertionError("unreachable")
+
+
+def infinity_levels(model_dir: Path, requests, size: int, args: argparse.Namespace):
+    """Infinity's ``/rerank`` on ``model_dir``, swept with ``requests()`` ((query, documents) per call).
+
+    Returns:
+        (levels, the max |Infinity's score - CrossEncoder.predict's| over one request's documents).
+    """
+    import http.client
+    import json
+    import subprocess
+
+    from sentence_transformers import CrossEncoder
+    from triton_embed_server.embedded import free_port
+
+    port = free_port()
+    command = [str(INFINITY), "v2", "--model-id", str(model_dir), "--served-model-name", "rerank", "--engine", "torch",
+               "--device", "cpu", "--dtype", "float32", "--no-vector-disk-cache", "--host", "127.0.0.1", "--port",
+               str(port), "--log-level", "warning"]  # fmt: skip
+    offline = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
+    proc = subprocess.Popen(command, env={**os.environ, **offline})  # noqa: S603 - the pinned peer
+    try:
+        wait_http("127.0.0.1", port, "/health", timeout_s=180)
+        query, docs = requests()
+        answer = json.loads(post_json(http.client.HTTPConnection("127.0.0.1", port, timeout=60), "/rerank",
+                                      {"model": "rerank", "query": query, "documents": docs}))  # fmt: skip
+        got = np.array([r["relevance_score"] for r in sorted(answer["results"], key=lambda r: r["index"])])
+        reference = CrossEncoder(str(model_dir), device="cpu").predict([(query, d) for d in docs])
+        agreement = float(np.abs(got - reference).max())
+
+        def make_sender():
+            def body(_: str) -> dict:
+                query, docs = requests()
+                return {"model": "rerank", "query": query, "documents": docs}
+
+            return json_sender(port, "/rerank", body)
+
+        print(f"Infinity, {size} documents per request (max |score - CrossEncoder.predict| {agreement:.2g}):")
+        return sweep(make_sender, [""], levels=args.levels, duration_s=args.duration, sla_ms=args.sla_ms), agreement
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,28 +148,33 @@ def main(argv: list[str] | None = None) -> int:
             fresh = itertools.count()  # every request a query never sent before: no response cache hits
             for size in args.sizes:
 
-                def make_sender(size: int = size):
+                def requests(size: int = size) -> tuple[str, list[str]]:
+                    k = next(fresh)
+                    return queries[k % len(queries)] + f" #{k}", [
+                        documents[(k * size + j) % len(documents)] for j in range(size)
+                    ]
+
+                def make_sender(requests=requests):
                     client = EmbeddingClient(url=server.grpc_url, model="rerank", retries=0)
-
-                    def send(_: str) -> None:
-                        k = next(fresh)
-                        docs = [documents[(k * size + j) % len(documents)] for j in range(size)]
-                        client.rerank(queries[k % len(queries)] + f" #{k}", docs)
-
-                    return send
+                    return lambda _: client.rerank(*requests())
 
                 print(f"served, {size} documents per request:")
                 levels = sweep(make_sender, queries, levels=args.levels, duration_s=args.duration, sla_ms=args.sla_ms)
                 best = best_under_sla(levels, args.sla_ms)
                 top = ceiling(model_dir, queries, documents, size, args.duration)
                 served = best.throughput * size if best else 0.0
-                rows.append((size, served, best, top))
+                peer = None
+                if INFINITY.exists():
+                    peer_best = best_under_sla(infinity_levels(model_dir, requests, size, args)[0], args.sla_ms)
+                    peer = peer_best.throughput * size if peer_best else 0.0
+                rows.append((size, served, best, top, peer))
     print(f"\n| documents per request | served pairs/s at p99 <= {args.sla_ms:.0f} ms | concurrency | p99 ms | "
-          "CrossEncoder.predict pairs/s | x ceiling |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for size, served, best, top in rows:
+          "CrossEncoder.predict pairs/s | x ceiling | Infinity pairs/s | x Infinity |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size, served, best, top, peer in rows:
         where = f"{best.concurrency} | {best.p99_ms:.0f}" if best else "- | -"
-        print(f"| {size} | {served:.0f} | {where} | {top:.0f} | {served / top:.2f} |")
+        versus = f"{peer:.0f} | {served / peer:.2f}" if peer else ("0 | -" if peer == 0 else "not run | -")
+        print(f"| {size} | {served:.0f} | {where} | {top:.0f} | {served / top:.2f} | {versus} |")
     return 0
 
 

@@ -198,26 +198,36 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
     tracing = tracing or embedders[0].tracing
     sampling = _sampling(embedders, settings, tracing.sampler, metrics) if tracing.sampler is not None else None
 
+    async def kind_of(embedder: TritonEmbedder) -> str | None:
+        """The model's kind, None while Triton cannot say (a model not loaded must not fail the others' requests)."""
+        try:
+            return (await embedder.info()).kind
+        except ApiError:
+            return None
+
     async def chosen(model: str | None, kind: str = "embedder") -> tuple[str, TritonEmbedder]:
         """The served id and the ensemble a request's ``model`` names among those of ``kind``.
 
         Raises:
-            ApiError: 404 for a name nothing serves, or no model of ``kind``; 400 for a model of the other kind.
+            ApiError: 404 for a name nothing serves, or no model of ``kind``; 400 for a model of the other kind;
+                503 (:meth:`TritonEmbedder.info`'s) when Triton cannot say what the model is.
         """
-        named = {name: e for name, e in served.items() if model in (name, e.model)}
-        kinds = {name: (await e.info()).kind for name, e in served.items()}
-        if named and kinds[next(iter(named))] != kind:
-            other = kinds[next(iter(named))]
-            route = "/v1/rerank" if other == "reranker" else "/v1/embeddings"
-            raise ApiError(
-                400, f"model '{model}' is a{'n' if other == 'embedder' else ''} {other}; send it to {route}",
-                code="wrong_model_kind", param="model",
-            )  # fmt: skip
+        named = next(((name, e) for name, e in served.items() if model in (name, e.model)), None)
+        if named is not None:
+            other = (await named[1].info()).kind  # its own error (503: not loaded) when Triton cannot say
+            if other != kind:
+                route = "/v1/rerank" if other == "reranker" else "/v1/embeddings"
+                raise ApiError(
+                    400, f"model '{model}' is a{'n' if other == 'embedder' else ''} {other}; send it to {route}",
+                    code="wrong_model_kind", param="model",
+                )  # fmt: skip
+            return named
+        kinds = {name: await kind_of(e) for name, e in served.items()}
         of_kind = {name: e for name, e in served.items() if kinds[name] == kind}
-        if named:
-            return next(iter(named.items()))
         if of_kind and (model is None or len(of_kind) == 1):
             return next(iter(of_kind.items()))
+        if not of_kind and None in kinds.values():  # Triton cannot say what is served: its error (503), not a 404
+            await next(e for name, e in served.items() if kinds[name] is None).info()
         listed = ", ".join(of_kind) or "none"
         raise ApiError(
             404, f"model '{model}' is not served here; the served {kind}s are {listed}",
