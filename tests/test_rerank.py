@@ -9,6 +9,7 @@ types), XLM-RoBERTa and ModernBERT with tokenizers of their kind trained here.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -97,7 +98,8 @@ def test_a_pair_is_one_row_of_each_and_a_bad_request_leaves_the_others_served(se
     over = {**pair_inputs(QUERY, DOCUMENTS[3:4]), "TRUNCATE": text_tensor(["NONE"])}
     with pytest.raises(InferenceServerException) as info:
         infer(server.grpc_url, "rerank", over, ["SCORE"])
-    assert "more than 64 tokens" in str(info.value) and "truncation is off" in str(info.value)
+    whole = re.search(r"\(a document\) with its query has (\d+) tokens; the limit is 64", str(info.value))
+    assert whole and int(whole.group(1)) > 64 and "truncation is off" in str(info.value), str(info.value)
     got = infer(server.grpc_url, "rerank", pair_inputs(QUERY, DOCUMENTS), ["SCORE"])["SCORE"][:, 0]
     np.testing.assert_allclose(got, references["rerank"][0], atol=1e-5)
     # the embedder beside them still embeds
@@ -156,7 +158,7 @@ def test_rerank_errors_name_the_field_the_limit_and_the_value(gateway):
         ({"model": "rerank", "query": QUERY, "documents": ["ok", "x" * 70_000]}, 400, "documents[1]",
          "has 70000 bytes; the limit is 65536 bytes"),
         ({"model": "rerank", "query": QUERY, "documents": [DOCUMENTS[3]], "truncate": "NONE"}, 400, "documents[0]",
-         "with the query has more than 64 tokens"),
+         "'documents[0]' with its query has"),
         ({"model": "embed", "query": QUERY, "documents": ["d"]}, 400, "model", "is an embedder; send it to"),
         ({"model": "bge-reranker", "query": QUERY, "documents": ["d"]}, 404, "model",
          "the served rerankers are rerank, rerank_modern, rerank_xlmr"),
@@ -180,7 +182,7 @@ def test_the_client_library_and_the_cli_rerank(served, references):
     import asyncio
 
     from test_cli import CLI
-    from triton_embed import AsyncEmbeddingClient, EmbeddingClient
+    from triton_embed import AsyncEmbeddingClient, EmbeddingClient, InvalidInputError
 
     server, _ = served
     scores = references["rerank_xlmr"][0]
@@ -197,6 +199,13 @@ def test_the_client_library_and_the_cli_rerank(served, references):
             return await client.rerank(QUERY, DOCUMENTS, top_n=1)
 
     assert [r.index for r in asyncio.run(async_top())] == order[:1]
+    # the wrong kind of model says so, before anything is sent
+    with EmbeddingClient(url=server.grpc_url, model="rerank_xlmr") as client, pytest.raises(InvalidInputError) as info:
+        client.embed(["x"])
+    assert "model 'rerank_xlmr' is a reranker, not an embedder: call rerank()" in str(info.value)
+    with EmbeddingClient(url=server.grpc_url, model="embed") as client, pytest.raises(InvalidInputError) as info:
+        client.rerank(QUERY, ["x"])
+    assert "model 'embed' is an embedder, not a reranker" in str(info.value)
     done = subprocess.run(
         [*CLI, "--url", server.grpc_url, "--model", "rerank_xlmr", "rerank", "--json", QUERY, *DOCUMENTS[:3]],
         capture_output=True, text=True, check=True,

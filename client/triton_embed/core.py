@@ -42,7 +42,7 @@ from triton_embed.client_stats import ClientStats, Counters
 from triton_embed.endpoints import EndpointPool, EndpointState, resolve_all
 from triton_embed.errors import EmbeddingError, InvalidInputError, ServerUnavailableError, note_request_row
 from triton_embed.inputs import Embeddings, Scores, TextsLike, as_texts
-from triton_embed.request_builder import OUTPUT, CallOptions, RequestBuilder
+from triton_embed.request_builder import OUTPUT, SCORE, CallOptions, RequestBuilder
 from triton_embed.settings import Settings, copied, traced
 from triton_embed.shm import Region, ShmPool, close_pool_at_exit, region_in_use, release_pauses
 
@@ -190,8 +190,15 @@ class Health:
 
 
 def max_batch_and_dim(config: dict[str, Any]) -> tuple[int, int]:
-    """``(max_batch_size, embedding width)`` from a model config in JSON form."""
-    output = next(o for o in config["output"] if o["name"] == OUTPUT)
+    """``(max_batch_size, embedding width)`` from a model config in JSON form.
+
+    Raises:
+        InvalidInputError: the model is a reranker (its ensemble has no ``EMBEDDING`` output).
+    """
+    output = next((o for o in config["output"] if o["name"] == OUTPUT), None)
+    if output is None:
+        name = config.get("name", "?")
+        raise InvalidInputError(f"model '{name}' is a reranker, not an embedder: call rerank() (CLI: rerank)")
     return int(config.get("max_batch_size", 1)) or 1, int(output["dims"][-1])
 
 
@@ -557,6 +564,10 @@ class ClientCore:
     def _pair_chunks(self, documents: list[str]) -> Steps[list[list[str]]]:
         """``documents`` in pieces of at most the ensemble's ``max_batch_size``: one inference request per piece."""
         config = yield from self._get_model_config()
+        if not any(o["name"] == SCORE for o in config["output"]):
+            raise InvalidInputError(
+                f"model '{self.model}' is an embedder, not a reranker: call embed(), or name a reranker (model=)"
+            )
         return chunks(documents, int(config.get("max_batch_size", 1)) or 1)
 
     def _score(self, query: str, documents: list[str], bulk: bool, truncate: str | None) -> Steps[Scores]:

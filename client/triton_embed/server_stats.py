@@ -136,14 +136,15 @@ def table(rows: list[StepStats]) -> str:
     counts each failed request of the ``embed`` ensemble twice; ``texts run`` is :attr:`StepStats.inferences`, so a
     request answered from the response cache adds to ``successes`` and ``cache hits`` but not to ``texts run``.
     """
+    w = max([10, *(len(r.model) for r in rows)])  # the model column fits the longest step name
     head = (
-        f"{'model':<10} {'successes':>9} {'failures':>9} {'texts run':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
+        f"{'model':<{w}} {'successes':>9} {'failures':>9} {'texts run':>9} {'execs':>8} {'batch':>6} {'queue ms':>9} "
         f"{'input ms':>9} {'infer ms':>9} {'output ms':>10} {'cache hits':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.model:<10} {r.requests:>9} {r.failures:>9} {r.inferences:>9} {r.executions:>8} {r.avg_batch:>6.1f} "
+            f"{r.model:<{w}} {r.requests:>9} {r.failures:>9} {r.inferences:>9} {r.executions:>8} {r.avg_batch:>6.1f} "
             f"{r.queue_ms:>9.2f} {r.compute_input_ms:>9.2f} {r.compute_infer_ms:>9.2f} {r.compute_output_ms:>10.2f} "
             f"{r.cache_hits:>10}"
         )

@@ -112,7 +112,8 @@ def _texts(value: Any, field: str, max_inputs: int) -> list[str]:
         raise invalid(field, f"'{field}' holds {len(value)} texts; the limit is {max_inputs}")
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            kind = "token ids" if isinstance(item, int | list) else type(item).__name__
+            token_ids = isinstance(item, int | list) and field in ("input", "inputs")  # what an embeddings API may get
+            kind = "token ids" if token_ids else type(item).__name__
             raise invalid(
                 f"{field}[{i}]", f"'{field}[{i}]' must be a string; got {kind} (token arrays are not accepted)"
             )

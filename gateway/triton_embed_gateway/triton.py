@@ -30,7 +30,7 @@ TOKENIZER_COUNT = "token_count"  # noqa: S105 - the tokenizer step's output of t
 RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
 _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
-_PAIR_ROW = re.compile(r"input 'TEXT_PAIR' row (\d+)")
+_PAIR_ROW = re.compile(r"input 'TEXT_PAIR' row (\d+)(?: \(a document\))?")
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, on an error from a step: not the caller's concern
 
 
@@ -91,7 +91,6 @@ def rerank_error(exc: InferenceServerException, offset: int, field: str) -> ApiE
     if row := _PAIR_ROW.search(message):
         param = f"{field}[{int(row.group(1)) + offset}]"
         message = _PAIR_ROW.sub(lambda m: f"'{field}[{int(m.group(1)) + offset}]'", message)
-        message = message.replace("its 'TEXT'", "the query")
     elif _ROW.search(message):
         param, message = "query", _ROW.sub("'query'", message)
     return ApiError(400, message, param=param, code="invalid_value")

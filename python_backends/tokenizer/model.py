@@ -190,6 +190,9 @@ class TritonPythonModel:
         self.tail_tokenizer = Tokenizer.from_file(str(path))  # TRUNCATE START: keeps the last max_seq_length tokens
         self.tail_tokenizer.no_padding()
         self.tail_tokenizer.enable_truncation(self.max_tokens, direction="left")
+        self.whole_tokenizer = Tokenizer.from_file(str(path))  # a pair's length for its error: no truncation
+        self.whole_tokenizer.no_padding()
+        self.whole_tokenizer.no_truncation()
         prompts_file = path.parent / "prompts.json"
         prompts = json.loads(prompts_file.read_text()) if prompts_file.is_file() else {}
         self.prompts: dict[str, str] = prompts.get("prompts", {})
@@ -415,12 +418,13 @@ class TritonPythonModel:
                 if (mode == START) == (direction == START)
             ]
             encodings = tokenizer.encode_batch([pair for _, _, pair, _ in rows]) if rows else []
-            for (i, row, _, mode), enc in zip(rows, encodings, strict=True):
+            for (i, row, pair, mode), enc in zip(rows, encodings, strict=True):
                 encoded[i, row] = enc
                 if mode == NONE and enc.overflowing and i not in errors:
+                    whole = len(self.whole_tokenizer.encode(*pair).ids)
                     errors[i] = (
-                        f"input '{TEXT_PAIR}' row {row} with its '{TEXT}' has more than {self.max_tokens} tokens "
-                        "(the model's max_seq_length) and truncation is off for this request"
+                        f"input '{TEXT_PAIR}' row {row} (a document) with its query has {whole} tokens; the limit "
+                        f"is {self.max_tokens} (the model's max_seq_length) and truncation is off for this request"
                     )
 
     def _hand_on(  # noqa: PLR0913 - the pieces of one execution

@@ -21,6 +21,7 @@ from triton_embed_server.embedded import (
     StartupCancelled,
     StopFlag,
 )
+from triton_embed_server.export import served_models
 from triton_embed_server.layout import LayoutError
 from triton_embed_server.tracing import TraceConfigError, traces_url, triton_trace_args
 
@@ -93,8 +94,10 @@ def serve(args: argparse.Namespace) -> int:
         server.stop()
         return 1
     models = server.ensembles()
+    served = served_models(server.config.model_repository)
+    rerankers = tuple(name for name in models if served.get(name, {}).get("kind") == "reranker")
     gateway = (
-        Gateway(server.grpc_url, args.host, args.gateway_port, models, server.config.admin_key)
+        Gateway(server.grpc_url, args.host, args.gateway_port, models, server.config.admin_key, rerankers=rerankers)
         if args.gateway_port
         else None
     )
@@ -135,11 +138,16 @@ def serve(args: argparse.Namespace) -> int:
 class Gateway:
     """The embeddings HTTP gateway (``python -m triton_embed_gateway``) as a child process, on ``host:port``."""
 
-    def __init__(self, grpc_url: str, host: str, port: int, models: list[str], admin_key: str | None = None) -> None:
+    def __init__(  # noqa: PLR0913 - where it runs and what it serves
+        self, grpc_url: str, host: str, port: int, models: list[str], admin_key: str | None = None, *,
+        rerankers: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         """Start nothing yet; ``models``: the ensembles it serves, the first the default.
 
-        ``admin_key``: Triton's admin key, with which the gateway sets Triton's trace rate.
+        ``admin_key``: Triton's admin key, with which the gateway sets Triton's trace rate; ``rerankers``: which of
+        ``models`` are rerankers (named in the banner beside the rerank routes).
         """
+        self.models, self.rerankers = models, rerankers
         self._env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '', '::') else host}:{port}"  # noqa: S104
         self._command = [
@@ -166,8 +174,13 @@ class Gateway:
         return False
 
     def banner(self) -> str:
-        """Its line in the ready banner."""
-        return f"  OpenAI  {self.url}/v1/embeddings   (TEI: {self.url}/embed)\n"
+        """Its lines in the ready banner: the embedding routes, and the rerank routes when a reranker is served."""
+        lines = ""
+        if len(self.rerankers) < len(self.models):
+            lines += f"  OpenAI  {self.url}/v1/embeddings   (TEI: {self.url}/embed)\n"
+        if self.rerankers:
+            lines += f"  rerank  {self.url}/v1/rerank   (TEI: {self.url}/rerank; {', '.join(self.rerankers)})\n"
+        return lines
 
     def is_alive(self) -> bool:
         """Whether the process runs."""

@@ -120,6 +120,9 @@ class ExportManifest:
         kind: ``embedder`` or ``reranker`` (a cross-encoder: ``dim`` 1, the score; ``min_cosine`` 1.0, since its
             gate bounds score differences and rank agreement, ``RERANK_MAX_SCORE_DIFF`` and ``RERANK_MIN_AGREEMENT``).
         activation: a reranker's activation of its logit (``sigmoid``, ``identity``, ...); empty for an embedder.
+        max_score_diff, rank_agreement: a reranker's gate figures at the precision it was tried at (its worst
+            |score - fp32 CrossEncoder.predict| and least share of a query's document pairs ordered alike over the
+            calibration pairs); 0.0 and 1.0 when only fp32 was tried.
     """
 
     source: str
@@ -140,6 +143,8 @@ class ExportManifest:
     precision_setting: str = "auto"
     kind: str = "embedder"
     activation: str = ""
+    max_score_diff: float = 0.0
+    rank_agreement: float = 1.0
 
 
 def name_problem(name: str) -> str | None:
@@ -598,7 +603,7 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
             f"{MAX_ABS_DIFF:g}) on pair #{worst}; {int((diffs >= MAX_ABS_DIFF).sum())} of {len(pairs)} pairs over "
             f"the limit; this model's type is '{info['model_type']}'; {SERVED}"
         )
-    served_at = "fp32"
+    served_at, worst, agreement = "fp32", 0.0, 1.0
     if choice.precision != "fp32":
         texts = [*precision_rules.calibration_texts(corpus), *CHECK_TEXTS]
         queries, documents = texts[:8], texts[8:40]
@@ -628,6 +633,7 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
         max_abs_diff=float(diffs.max()), model_type=info["model_type"], attention=info["attention"],
         precision=served_at, precision_asked=choice.precision, precision_reason=choice.reason, min_cosine=1.0,
         gate=gate, precision_setting=precision, kind="reranker", activation=info["activation"],
+        max_score_diff=worst, rank_agreement=agreement,
     )  # fmt: skip
     _write_model(repository, name, templates, manifest, tokenizer, {"prompts": {}, "default_prompt_name": None}, traced)
     return manifest
@@ -810,6 +816,8 @@ def chosen_model(requested: str | None, repository: Path, name: str = DEFAULT_MO
     if requested is None and current is not None and current != default and check_model_folder(current) is None:
         named = "" if name == DEFAULT_MODEL else f" NAME={name}"
         back = f"`make model MODEL=default{named}` goes back to all-MiniLM-L6-v2"
+        if json.loads(manifest.read_text()).get("kind") == "reranker":
+            back = f"`make remove-model NAME={name}` removes it"
         return current, f"kept the model exported last ({back})"
     if current is not None and current != default:
         return default, f"replaced the exported {current} with the packaged all-MiniLM-L6-v2"
@@ -939,7 +947,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911, PLR0912 - one 
                 f"{manifest.attention} attention, activation {manifest.activation}, max_seq_length "
                 f"{manifest.max_seq_length}, max abs diff vs CrossEncoder.predict {manifest.max_abs_diff:.2g} at fp32)"
             )
-            print(f"precision: {manifest.precision} ({manifest.precision_reason})")
+            figures = (
+                f", scores within {manifest.max_score_diff:.3g} of fp32 CrossEncoder.predict and "
+                f"{manifest.rank_agreement:.3f} of a query's document pairs ordered alike over the calibration pairs"
+                if manifest.precision_asked != "fp32"
+                else ""
+            )
+            print(f"precision: {manifest.precision} ({manifest.precision_reason}){figures}")
         else:
             print(
                 f"model '{name}' {state}: {manifest.source} -> {args.repository} ({manifest.model_type}, "
