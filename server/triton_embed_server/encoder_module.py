@@ -211,10 +211,24 @@ def build_traced_encoder(
     example_ids = torch.randint(vocab // 2, vocab, (2, 16), dtype=torch.int64)
     example_mask = torch.ones_like(example_ids)
     example_mask[1, 9:] = 0
+    return trace_portable(wrapper, (example_ids, example_mask), precision), info
+
+
+def trace_portable(
+    wrapper: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor], precision: str
+) -> torch.jit.ScriptModule:
+    """``wrapper`` traced on ``example``, made to follow its inputs' device.
+
+    ``example``: ids and mask, int64 ``[B, T]``; traced under ``torch.no_grad()`` and :func:`traced_at`
+    ``precision``, then :func:`follow_input_device`.
+
+    Returns:
+        The traced module in eval mode, on CPU.
+    """
     with torch.no_grad(), traced_at(precision):
-        traced = torch.jit.trace(wrapper, (example_ids, example_mask), check_trace=False)
+        traced = torch.jit.trace(wrapper, example, check_trace=False)
     follow_input_device(traced)
-    return traced.eval(), info
+    return traced.eval()
 
 
 def device_constants(module: torch.jit.ScriptModule) -> list[str]:
@@ -319,9 +333,9 @@ class PairScorer(torch.nn.Module):
 def build_traced_scorer(cross_encoder, *, precision: str = "fp32") -> tuple[torch.jit.ScriptModule, dict]:
     """Trace :class:`PairScorer` for a sentence-transformers ``CrossEncoder``, device-portable.
 
-    Traced as :func:`build_traced_encoder` traces (``torch.no_grad()``, :func:`traced_at`, an example batch with a
-    padded row, :func:`follow_input_device`), with the model's own attention implementation and its
-    ``activation_fn`` (sigmoid for one label unless its config names another).
+    Traced as :func:`build_traced_encoder` traces (:func:`trace_portable` on an example batch with a padded row),
+    with the model's own attention implementation and its ``activation_fn`` (sigmoid for one label unless its
+    config names another).
 
     Returns:
         (traced module in eval mode on CPU, ``{"max_seq_length", "vocab_size", "model_type", "attention",
@@ -348,9 +362,7 @@ def build_traced_scorer(cross_encoder, *, precision: str = "fp32") -> tuple[torc
     example_segments = torch.ones_like(example_ids)
     example_segments[:, 8:] = 2
     example_segments[1, 12:] = 0
-    with torch.no_grad(), traced_at(precision):
-        traced = torch.jit.trace(wrapper, (example_ids, example_segments), check_trace=False)
-    follow_input_device(traced)
+    traced = trace_portable(wrapper, (example_ids, example_segments), precision)
     info = {
         "max_seq_length": int(cross_encoder.max_seq_length),
         "vocab_size": vocab,
@@ -358,4 +370,4 @@ def build_traced_scorer(cross_encoder, *, precision: str = "fp32") -> tuple[torc
         "attention": str(model.config._attn_implementation),
         "activation": type(activation).__name__.lower(),
     }
-    return traced.eval(), info
+    return traced, info

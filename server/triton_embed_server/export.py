@@ -575,23 +575,21 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
     import torch
     from sentence_transformers import CrossEncoder
 
-    from triton_embed_server.encoder_module import build_traced_scorer, device_problems, remote_code_problem
+    from triton_embed_server.encoder_module import build_traced_scorer, remote_code_problem
 
     if problem := remote_code_problem(model_path):
         raise ValueError(f"{model_path}: {problem}; {SERVED}")
     torch.manual_seed(0)
     ce = CrossEncoder(str(model_path), device="cpu")
 
-    def traced_at(at: str):
+    def scorer_at(at: str):
         traced, info = build_traced_scorer(ce, precision=at)
-        if pinned := device_problems(traced):
-            raise ExportCheckError(f"exported scorer is pinned to one device: {'; '.join(pinned)}; {SERVED}")
-        return traced, info
+        return _portable(traced, "scorer"), info
 
     def predict(pairs: list[tuple[str, str]], activation=None):
         return ce.predict(pairs, batch_size=len(pairs), activation_fn=activation, show_progress_bar=False)
 
-    traced, info = traced_at("fp32")
+    traced, info = scorer_at("fp32")
     tokenizer = _served_tokenizer(ce, model_path, info["max_seq_length"])
     pairs = check_pairs()
     served = score_like_server(_copy(tokenizer), traced, pairs)
@@ -609,7 +607,7 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
         queries, documents = texts[:8], texts[8:40]
         calibration = [(q, d) for q in queries for d in documents]
         reference = predict(calibration)
-        reduced, _ = traced_at(choice.precision)
+        reduced, _ = scorer_at(choice.precision)
         scores = score_like_server(_copy(tokenizer), reduced, calibration)[:, 0]
         worst = float(np.abs(scores - reference).max())
         agreement = min(
@@ -685,13 +683,23 @@ def _traced(st, model_path: Path, precision: str):
     Raises:
         ExportCheckError: the module holds a device constant or fails the ``meta`` run.
     """
-    from triton_embed_server.encoder_module import build_traced_encoder, device_problems
+    from triton_embed_server.encoder_module import build_traced_encoder
 
     traced, info = build_traced_encoder(st, model_path, precision=precision)
-    pinned = device_problems(traced)
-    if pinned:
-        raise ExportCheckError(f"exported encoder is pinned to one device: {'; '.join(pinned)}; {SERVED}")
-    return traced, info
+    return _portable(traced, "encoder"), info
+
+
+def _portable(traced, what: str):
+    """``traced``, once ``encoder_module.device_problems`` finds nothing that pins it to one device.
+
+    Raises:
+        ExportCheckError: it holds a device constant or fails the ``meta`` run; ``what`` names it.
+    """
+    from triton_embed_server.encoder_module import device_problems
+
+    if pinned := device_problems(traced):
+        raise ExportCheckError(f"exported {what} is pinned to one device: {'; '.join(pinned)}; {SERVED}")
+    return traced
 
 
 def _served_tokenizer(st, model_path: Path, max_seq_length: int):
