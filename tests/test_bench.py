@@ -48,10 +48,13 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     assert (tmp_path / "out" / "bench.png").stat().st_size > 10_000
     tracing = results["tracing"]
     assert all(
-        tracing[name]["rounds"][0]["errors"] == 0 and tracing[name]["throughput"] > 0
-        for name in ("off", "adaptive", "all")
+        tracing[name]["rounds"][0]["errors"] == 0 and tracing[name]["throughput"] > 0 for name in ("off", "adaptive")
     )
-    assert tracing["all"]["share"] == 1.0 and tracing["exports"] > 0  # every request traced, spans exported
+    full = tracing["all"]["rounds"][0]  # tritonserver 2.51 can crash with every request traced: the report says so
+    assert (full["errors"] == 0 and tracing["all"]["throughput"] > 0) or (
+        full["triton_exit"] is not None and f"tritonserver exited with status {full['triton_exit']}," in table
+    ), full
+    assert full["share"] == 1.0 and tracing["exports"] > 0  # every request traced, spans exported
     assert "| follows load (default) |" in table and "| every request |" in table
     for name in ("triton-buckets", "triton-auto"):  # the door each measured on this machine, in the report
         assert results["systems"][name]["door"] >= 1

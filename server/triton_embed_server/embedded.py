@@ -337,6 +337,11 @@ class EmbeddedServer:
         """True while the tritonserver process runs."""
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The exit status of tritonserver once it has exited (negative: the signal that ended it), else None."""
+        return self._process.poll() if self._process is not None else None
+
     def admin_headers(self, protocol: str = "http") -> dict[str, str]:
         """The header that unlocks the restricted APIs (after :meth:`start`), e.g. for a shared-memory client.
 
