@@ -149,7 +149,8 @@ clean:
 	rm -rf .build .pytest_cache
 
 # Side-by-side benchmark (in-process ceiling, naive FastAPI server, Infinity, Triton fixed-128, Triton buckets, the
-# gateway), then tracing's cost through the gateway: off, following load, every request (bench/tracing.py); ~10 min.
+# gateway), then tracing's cost through the gateway: off, following load, every request (bench/tracing.py), then
+# rerank throughput (bench/rerank.py); ~14 min.
 bench: reference-model peers
 	$(PY) -m bench.run $(BENCH_ARGS)
 
@@ -176,8 +177,9 @@ bench-overload: reference-model
 		&& $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; }
 	$(PY) -m bench.overload $(BENCH_ARGS)
 
-# Rerank throughput (bench/rerank.py): a stand-in of ms-marco-MiniLM-L6-v2's size served as a reranker, pairs/s at
-# p99 <= 200 ms for a query with 16 and 64 documents beside in-process CrossEncoder.predict; ~4 min.
+# Rerank throughput alone (bench/rerank.py, make bench's last table): a stand-in of ms-marco-MiniLM-L6-v2's size
+# served as a reranker, pairs/s at p99 <= 200 ms for a query with 16 and 64 documents beside in-process
+# CrossEncoder.predict and Infinity; ~4 min.
 bench-rerank: install
 	$(PY) -m bench.rerank $(BENCH_ARGS)
 

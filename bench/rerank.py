@@ -12,7 +12,8 @@ saved as a sentence-transformers CrossEncoder. Compute per pair is the real mode
 * Infinity (``make peers``; skipped without its venv): the same folder served by ``infinity_emb v2`` (torch engine,
   fp32), its ``/rerank`` swept the same way over HTTP/JSON; its scores checked against ``CrossEncoder.predict``.
 
-``python -m bench.rerank`` (``make bench-rerank``); ~4 min on 2 cores. Prints one table with the ratio to the ceiling.
+``make bench`` ends with it (``bench.run --rerank-sizes``); alone: ``python -m bench.rerank`` (``make bench-rerank``),
+~4 min on 2 cores. Prints one table with the ratio to the ceiling.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import numpy as np
 
 from bench.encoder import cpu_model
 from bench.loadgen import best_under_sla, sweep
-from bench.run import INFINITY, json_sender, post_json, wait_http
+from bench.run import INFINITY, ROOT, json_sender, post_json, wait_http
 from loadtest.corpus import CorpusError, load_corpus
+
+WORK = ROOT / ".build" / "bench" / "rerank"  # the stand-in, made once
 
 
 def stand_in(folder: Path) -> Path:
@@ -69,8 +72,8 @@ def ceiling(model_dir: Path, queries: list[str], documents: list[str], size: int
     raise AssertionError("unreachable")
 
 
-def infinity_levels(model_dir: Path, requests, size: int, args: argparse.Namespace):
-    """Infinity's ``/rerank`` on ``model_dir``, swept with ``requests()`` ((query, documents) per call).
+def infinity_levels(model_dir: Path, requests, size: int, *, levels: list[int], duration_s: float, sla_ms: float):
+    """Infinity's ``/rerank`` on ``model_dir``, swept at ``levels`` with ``requests()`` ((query, documents) per call).
 
     Returns:
         (levels, the max |Infinity's score - CrossEncoder.predict's| over one request's documents).
@@ -105,48 +108,40 @@ def infinity_levels(model_dir: Path, requests, size: int, args: argparse.Namespa
             return json_sender(port, "/rerank", body)
 
         print(f"Infinity, {size} documents per request (max |score - CrossEncoder.predict| {agreement:.2g}):")
-        return sweep(make_sender, [""], levels=args.levels, duration_s=args.duration, sla_ms=args.sla_ms), agreement
+        return sweep(make_sender, [""], levels=levels, duration_s=duration_s, sla_ms=sla_ms), agreement
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Export, serve, sweep, print."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", type=Path, help="text file, one text per line (default: STS-B)")
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
-    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
-    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
-    parser.add_argument("--sla-ms", type=float, default=200.0)
-    parser.add_argument("--precision", default="auto", help="the export's PRECISION (default: auto)")
-    parser.add_argument("--work", type=Path, default=Path(".build/bench/rerank"), help="the stand-in's folder")
-    args = parser.parse_args(argv)
-    try:
-        texts = load_corpus(args.corpus)
-    except CorpusError as exc:
-        sys.exit(str(exc))
-    texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]
-    half = len(texts) // 2
-    queries, documents = texts[:half], texts[half:]
+def measure(
+    texts: list[str], sizes: list[int], levels: list[int], *, duration_s: float, sla_ms: float,
+    precision: str = "auto", work: Path = WORK,
+) -> dict:  # fmt: skip
+    """Export the stand-in at ``precision`` into a served repository, sweep it and its peers per size of ``sizes``.
 
+    ``texts``: queries (the first half, shuffled) and documents (the rest). Returns ``{"precision", "reason",
+    "sla_ms", "rows"}``, a row per size: ``documents``, ``served`` (pairs/s at the best level within ``sla_ms``, 0
+    without one), ``concurrency`` and ``p99_ms`` there (None without one), ``ceiling`` (``CrossEncoder.predict``
+    pairs/s), ``infinity`` (pairs/s; None without its venv) and ``infinity_score_diff``.
+    """
     from triton_embed import EmbeddingClient
     from triton_embed_server import export as exporter
     from triton_embed_server.embedded import EmbeddedServer
-    from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags
 
-    model_dir = stand_in(args.work)
-    native = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "no native bf16"
-    print(f"machine: {platform.machine()}, {cpu_model()} ({native}), {os.cpu_count()} CPUs, no GPU")
+    texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]
+    half = len(texts) // 2
+    queries, documents = texts[:half], texts[half:]
+    model_dir = stand_in(work)
     print(f"reranker: {model_dir} (all-MiniLM-L6-v2's BERT + a random one-label head)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        manifest = exporter.export(model_dir, Path(tmp) / "repo", precision=args.precision, name="rerank")
+        manifest = exporter.export(model_dir, Path(tmp) / "repo", precision=precision, name="rerank")
         print(f"served at {manifest.precision} ({manifest.precision_reason})")
         with EmbeddedServer(model_repository=Path(tmp) / "repo", http_port=0, grpc_port=0, metrics_port=0,
                             log_file=Path(tmp) / "log") as server:  # fmt: skip
             fresh = itertools.count()  # every request a query never sent before: no response cache hits
-            for size in args.sizes:
+            for size in sizes:
 
                 def requests(size: int = size) -> tuple[str, list[str]]:
                     k = next(fresh)
@@ -159,22 +154,64 @@ def main(argv: list[str] | None = None) -> int:
                     return lambda _: client.rerank(*requests())
 
                 print(f"served, {size} documents per request:")
-                levels = sweep(make_sender, queries, levels=args.levels, duration_s=args.duration, sla_ms=args.sla_ms)
-                best = best_under_sla(levels, args.sla_ms)
-                top = ceiling(model_dir, queries, documents, size, args.duration)
-                served = best.throughput * size if best else 0.0
-                peer = None
+                levels_run = sweep(make_sender, queries, levels=levels, duration_s=duration_s, sla_ms=sla_ms)
+                best = best_under_sla(levels_run, sla_ms)
+                row = {"documents": size, "served": best.throughput * size if best else 0.0,
+                       "concurrency": best.concurrency if best else None, "p99_ms": best.p99_ms if best else None,
+                       "ceiling": ceiling(model_dir, queries, documents, size, duration_s),
+                       "infinity": None, "infinity_score_diff": None}  # fmt: skip
                 if INFINITY.exists():
-                    peer_best = best_under_sla(infinity_levels(model_dir, requests, size, args)[0], args.sla_ms)
-                    peer = peer_best.throughput * size if peer_best else 0.0
-                rows.append((size, served, best, top, peer))
-    print(f"\n| documents per request | served pairs/s at p99 <= {args.sla_ms:.0f} ms | concurrency | p99 ms | "
-          "CrossEncoder.predict pairs/s | x ceiling | Infinity pairs/s | x Infinity |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for size, served, best, top, peer in rows:
-        where = f"{best.concurrency} | {best.p99_ms:.0f}" if best else "- | -"
+                    peer, row["infinity_score_diff"] = infinity_levels(
+                        model_dir, requests, size, levels=levels, duration_s=duration_s, sla_ms=sla_ms
+                    )
+                    peer_best = best_under_sla(peer, sla_ms)
+                    row["infinity"] = peer_best.throughput * size if peer_best else 0.0
+                rows.append(row)
+    return {"precision": manifest.precision, "reason": manifest.precision_reason, "sla_ms": sla_ms, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    """The table: served pairs/s within the SLA beside ``CrossEncoder.predict`` and Infinity, per request size."""
+    lines = [
+        f"Rerank: the stand-in of ms-marco-MiniLM-L6-v2's size, served at {result['precision']}.",
+        "",
+        f"| documents per request | served pairs/s at p99 <= {result['sla_ms']:.0f} ms | concurrency | p99 ms | "
+        "CrossEncoder.predict pairs/s | x ceiling | Infinity pairs/s | x Infinity |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        served, peer = row["served"], row["infinity"]
+        where = f"{row['concurrency']} | {row['p99_ms']:.0f}" if row["concurrency"] else "- | -"
         versus = f"{peer:.0f} | {served / peer:.2f}" if peer else ("0 | -" if peer == 0 else "not run | -")
-        print(f"| {size} | {served:.0f} | {where} | {top:.0f} | {served / top:.2f} | {versus} |")
+        lines.append(
+            f"| {row['documents']} | {served:.0f} | {where} | {row['ceiling']:.0f} | {served / row['ceiling']:.2f} "
+            f"| {versus} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export, serve, sweep, print."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, help="text file, one text per line (default: STS-B)")
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
+    parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
+    parser.add_argument("--sla-ms", type=float, default=200.0)
+    parser.add_argument("--precision", default="auto", help="the export's PRECISION (default: auto)")
+    parser.add_argument("--work", type=Path, default=WORK, help="the stand-in's folder")
+    args = parser.parse_args(argv)
+    try:
+        texts = load_corpus(args.corpus)
+    except CorpusError as exc:
+        sys.exit(str(exc))
+    from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags
+
+    native = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "no native bf16"
+    print(f"machine: {platform.machine()}, {cpu_model()} ({native}), {os.cpu_count()} CPUs, no GPU")
+    result = measure(texts, args.sizes, args.levels, duration_s=args.duration, sla_ms=args.sla_ms,
+                     precision=args.precision, work=args.work)  # fmt: skip
+    print("\n" + markdown(result))
     return 0
 
 

@@ -16,6 +16,9 @@ e. ``gateway``: the same service through the HTTP gateway (OpenAI ``/v1/embeddin
    figures: the p50 it adds at concurrency 1, its throughput at the knee, and base64's response size against float's.
 f. tracing's cost (``bench/tracing.py``): the gateway's throughput with tracing off, with the sampling that follows
    load, and with every request traced, in interleaved rounds (``--tracing-rounds``, 0: not measured).
+g. rerank (``bench/rerank.py``): a cross-encoder of ms-marco-MiniLM-L6-v2's size served as ``rerank``, pairs/s at
+   p99 within the SLA for a query with each of ``--rerank-sizes`` documents ('': not measured), beside in-process
+   ``CrossEncoder.predict`` and Infinity's ``/rerank``.
 
 b-e get single-sentence requests in a closed loop at increasing concurrency (gRPC for Triton, HTTP/JSON for the
 naive server and the gateway). Triton runs with the response cache off, so repeated sentences are really computed.
@@ -465,6 +468,10 @@ def markdown(results: dict, ceiling: dict, sla: float, args: argparse.Namespace)
         from bench.tracing import markdown as tracing_table
 
         lines += ["", tracing_table(results["tracing"]).rstrip("\n")]
+    if "rerank" in results:
+        from bench.rerank import markdown as rerank_table
+
+        lines += ["", rerank_table(results["rerank"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -513,7 +520,7 @@ def plot(results: dict, sla: float, path: Path) -> None:
 
 
 def after_the_systems(results: dict, texts: list[str], args: argparse.Namespace) -> None:
-    """perf_analyzer on the default model (``--pa-levels``), then tracing's cost (``--tracing-rounds``)."""
+    """After the systems: perf_analyzer, tracing's cost, rerank throughput (each off with its option empty or 0)."""
     pa_levels = [int(x) for x in args.pa_levels.split(",") if x]
     if pa_levels:
         print("perf_analyzer on the default model ...", flush=True)
@@ -524,6 +531,14 @@ def after_the_systems(results: dict, texts: list[str], args: argparse.Namespace)
         print("tracing off / following load / every request ...", flush=True)
         warmup = min(3.0, args.duration)
         results["tracing"] = measure(texts, args.tracing_concurrency, args.tracing_rounds, args.duration, warmup)
+    sizes = [int(x) for x in args.rerank_sizes.split(",") if x]
+    if sizes:
+        from bench import rerank
+
+        print("rerank ...", flush=True)
+        results["rerank"] = rerank.measure(
+            texts, sizes, [int(x) for x in args.rerank_levels.split(",")], duration_s=args.duration, sla_ms=args.sla_ms
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
     parser.add_argument("--pa-levels", default="16,24,32,40,48,64",
                         help="perf_analyzer's levels on the default model where installed ('': none)")  # fmt: skip
+    parser.add_argument("--rerank-sizes", default="16,64", help="documents per rerank request ('': none)")
+    parser.add_argument("--rerank-levels", default="1,2,4,8,16", help="concurrency levels of the rerank sweeps")
     args = parser.parse_args(argv)
 
     try:

@@ -22,7 +22,8 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     corpus.write_text("\n".join(p.a for p in sts_dev[:200]))
     code = bench_run.main(
         ["--corpus", str(corpus), "--levels", "1,2", "--duration", "1", "--tracing-rounds", "1",
-         "--tracing-concurrency", "2", "--pa-levels", "", "--out", str(tmp_path / "out")]
+         "--tracing-concurrency", "2", "--pa-levels", "", "--rerank-sizes", "4", "--rerank-levels", "1",
+         "--out", str(tmp_path / "out")]
     )  # fmt: skip
     assert code == 0
     results = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -56,6 +57,10 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     ), full
     assert full["share"] == 1.0 and tracing["exports"] > 0  # every request traced, spans exported
     assert "| follows load (default) |" in table and "| every request |" in table
+    (rerank,) = results["rerank"]["rows"]  # a query with 4 documents, served, in process and in Infinity
+    assert rerank["documents"] == 4 and rerank["served"] > 0 and rerank["ceiling"] > 0 and rerank["infinity"] > 0
+    assert rerank["infinity_score_diff"] < 1e-4  # the peer scores the same folder as CrossEncoder.predict
+    assert "| documents per request | served pairs/s at p99 <= 200 ms |" in table and "\n| 4 | " in table
     for name in ("triton-buckets", "triton-auto"):  # the door each measured on this machine, in the report
         assert results["systems"][name]["door"] >= 1
         assert f"\n{name}: at p99 <= 100 ms " in table and "the door it measured stood at" in table
