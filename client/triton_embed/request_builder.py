@@ -96,40 +96,25 @@ class RequestBuilder:
         ``PROMPT_NAME`` / ``TRUNCATE`` inputs, over the network.
         """
         data = text_tensor(texts)
-        tensor = self.module.InferInput(INPUT, list(data.shape), "BYTES")
-        output = (
-            self.module.InferRequestedOutput(OUTPUT, binary_data=self.settings.binary)
-            if self.http
-            else self.module.InferRequestedOutput(OUTPUT)
-        )
+        output = self._requested(OUTPUT)
         if region is not None:
+            tensor = self.module.InferInput(INPUT, list(data.shape), "BYTES")
             serialized = serialize_byte_tensor(data)
             in_bytes = len(serialized.item())
             shm.set_shared_memory_region(region.handle, [serialized])
             tensor.set_shared_memory(region.name, in_bytes)
             output.set_shared_memory(region.name, len(texts) * dim * 4, offset=output_offset(in_bytes))
-        elif self.http:
-            tensor.set_data_from_numpy(data, binary_data=self.settings.binary)
         else:
-            tensor.set_data_from_numpy(data)
+            tensor = self._tensor(INPUT, data)
         inputs = [tensor]
         chosen = options or CallOptions()
         for name, value in ((PROMPT_NAME, chosen.prompt_name), (TRUNCATE, chosen.truncate)):
             if value is not None:
-                extra = text_tensor([value] * len(texts))
-                inputs.append(self.module.InferInput(name, list(extra.shape), "BYTES"))
-                if self.http:
-                    inputs[-1].set_data_from_numpy(extra, binary_data=self.settings.binary)
-                else:
-                    inputs[-1].set_data_from_numpy(extra)
-        sent = 0
-        if self.http:
-            body, _ = self.module.InferenceServerClient.generate_request_body(inputs, outputs=[output])
-            sent = len(body)
-        return inputs, [output], sent
+                inputs.append(self._tensor(name, text_tensor([value] * len(texts))))
+        return inputs, [output], self._sent(inputs, [output])
 
-    def _bytes(self, name: str, values: list[str]) -> Any:
-        data = text_tensor(values)
+    def _tensor(self, name: str, data: npt.NDArray[np.object_]) -> Any:
+        """The BYTES input ``name`` holding ``data`` (:func:`text_tensor`), over the network."""
         tensor = self.module.InferInput(name, list(data.shape), "BYTES")
         if self.http:
             tensor.set_data_from_numpy(data, binary_data=self.settings.binary)
@@ -137,22 +122,37 @@ class RequestBuilder:
             tensor.set_data_from_numpy(data)
         return tensor
 
+    def _requested(self, name: str) -> Any:
+        """The requested output ``name`` (binary over HTTP as the settings say)."""
+        if self.http:
+            return self.module.InferRequestedOutput(name, binary_data=self.settings.binary)
+        return self.module.InferRequestedOutput(name)
+
+    def _sent(self, inputs: list[Any], outputs: list[Any]) -> int:
+        """Bytes of the request body over HTTP; 0 over gRPC."""
+        if not self.http:
+            return 0
+        body, _ = self.module.InferenceServerClient.generate_request_body(inputs, outputs=outputs)
+        return len(body)
+
+    def _received(self, result: Any, binary_bytes: int) -> int:
+        """Bytes of the response over HTTP: its JSON header and ``binary_bytes`` of binary outputs; 0 over gRPC."""
+        if not self.http:
+            return 0
+        return len(json.dumps(result.get_response(), separators=(",", ":"))) + binary_bytes
+
     def build_pairs(self, query: str, documents: list[str], truncate: str | None) -> tuple[list[Any], list[Any], int]:
         """Return ``(inputs, outputs, sent_bytes)`` for a reranker.
 
         ``QUERY`` (repeated) and ``DOCUMENT`` per pair, ``TRUNCATE`` when given; the output ``SCORE``. Always over the
         network.
         """
-        inputs = [self._bytes(QUERY, [query] * len(documents)), self._bytes(DOCUMENT, documents)]
+        n = len(documents)
+        inputs = [self._tensor(QUERY, text_tensor([query] * n)), self._tensor(DOCUMENT, text_tensor(documents))]
         if truncate is not None:
-            inputs.append(self._bytes(TRUNCATE, [truncate] * len(documents)))
-        kwargs = {"binary_data": self.settings.binary} if self.http else {}
-        outputs = [self.module.InferRequestedOutput(SCORE, **kwargs)]
-        sent = 0
-        if self.http:
-            body, _ = self.module.InferenceServerClient.generate_request_body(inputs, outputs=outputs)
-            sent = len(body)
-        return inputs, outputs, sent
+            inputs.append(self._tensor(TRUNCATE, text_tensor([truncate] * n)))
+        outputs = [self._requested(SCORE)]
+        return inputs, outputs, self._sent(inputs, outputs)
 
     def read_scores(self, result: Any, n: int) -> tuple[Scores, int]:
         """Return ``((n,) float32 scores, received_bytes)`` from a reranker's ``InferResult``.
@@ -164,9 +164,7 @@ class RequestBuilder:
         if array is None or array.shape != (n, 1):
             got = None if array is None else list(array.shape)
             raise EmbeddingError(f"model '{self.settings.model}' returned {got} for {n} pairs; expected [{n}, 1]")
-        received = 0
-        if self.http:
-            received = len(json.dumps(result.get_response(), separators=(",", ":"))) + array.nbytes
+        received = self._received(result, array.nbytes if self.settings.binary else 0)
         return array[:, 0].astype(np.float32), received
 
     @staticmethod
@@ -189,8 +187,5 @@ class RequestBuilder:
         if array is None or array.shape != (n, dim):
             got = None if array is None else list(array.shape)
             raise EmbeddingError(f"model '{self.settings.model}' returned {got} for {n} texts; expected [{n}, {dim}]")
-        received = 0
-        if self.http:
-            header = len(json.dumps(result.get_response(), separators=(",", ":")))
-            received = header + (array.nbytes if self.settings.binary and region is None else 0)
+        received = self._received(result, array.nbytes if self.settings.binary and region is None else 0)
         return array.astype(np.float32, copy=False), received
