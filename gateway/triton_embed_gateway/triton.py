@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import tritonclient.grpc.aio as grpcclient
 from triton_embed_protocol import refusal_reason, step_names
 from tritonclient.utils import InferenceServerException
@@ -31,6 +32,7 @@ RETRY_AFTER_S = 1
 _ROW = re.compile(r"input 'TEXT' row (\d+)")
 _PROMPT_ROW = re.compile(r"input 'PROMPT_NAME' row \d+")
 _PAIR_ROW = re.compile(r"input 'TEXT_PAIR' row (\d+)(?: \(a document\))?")
+Rows = npt.NDArray[np.float32]  # a chunk's answer: Vectors or Scores
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's, on an error from a step: not the caller's concern
 
 
@@ -172,13 +174,23 @@ class TritonEmbedder:
             ApiError: see the module's mapping; a bad text is named by its index in ``texts`` under ``field``, an
                 unknown prompt under ``request.prompt_field``, ``dimensions`` over the width under its name.
         """
-        info = await self.info()
-        step, texts = info.max_batch_size, request.texts
-        starts = range(0, len(texts), step)
-        bulk = len(starts) > 1
-        parts = await asyncio.gather(*(self._infer(texts[i : i + step], i, request, field, bulk) for i in starts))
-        vectors = np.concatenate([p[0] for p in parts])
-        return shorten(vectors, request.dimensions, info.dim), np.concatenate([p[1] for p in parts])
+        vectors, counts = await self._in_chunks(
+            request.texts, lambda texts, offset, bulk: self._infer(texts, offset, request, field, bulk)
+        )
+        return shorten(vectors, request.dimensions, (await self.info()).dim), counts
+
+    async def _in_chunks(
+        self, items: list[str], send: Callable[[list[str], int, bool], Awaitable[tuple[Rows, Counts]]]
+    ) -> tuple[Rows, Counts]:
+        """``send(chunk, offset, bulk)`` for each chunk of ``items`` (at most ``max_batch_size``), all at once.
+
+        Returns the chunks' two arrays, each joined in order. ``bulk`` is true when there are several chunks: one
+        refused chunk would fail the whole call, so their requests are never refused.
+        """
+        step = (await self.info()).max_batch_size
+        starts = range(0, len(items), step)
+        parts = await asyncio.gather(*(send(items[i : i + step], i, len(starts) > 1) for i in starts))
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     async def _infer(
         self, texts: list[str], offset: int, request: EmbedRequest, field: str, bulk: bool
@@ -227,12 +239,9 @@ class TritonEmbedder:
             ApiError: see the module's mapping; a bad document is named by its index under
                 ``request.documents_field``, a bad query as ``query``.
         """
-        info = await self.info()
-        step, documents = info.max_batch_size, request.documents
-        starts = range(0, len(documents), step)
-        bulk = len(starts) > 1
-        parts = await asyncio.gather(*(self._score(documents[i : i + step], i, request, bulk) for i in starts))
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return await self._in_chunks(
+            request.documents, lambda documents, offset, bulk: self._score(documents, offset, request, bulk)
+        )
 
     async def _score(
         self, documents: list[str], offset: int, request: RerankRequest, bulk: bool
@@ -267,7 +276,7 @@ class TritonEmbedder:
         ]  # fmt: skip
         tokens = await self._client.infer(
             self.tokenizer, inputs, client_timeout=self.timeout_s,
-            outputs=[grpcclient.InferRequestedOutput(n) for n in ("input_ids", "attention_mask", TOKENIZER_COUNT)],
+            outputs=[grpcclient.InferRequestedOutput(out) for out in ("input_ids", "attention_mask", TOKENIZER_COUNT)],
         )  # fmt: skip
         steps = []
         for name in ("input_ids", "attention_mask"):
