@@ -522,25 +522,25 @@ def _write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
     _atomic_write(manifest_file(repository, name), lambda p: Path(p).write_text(text))
 
 
+def _json_file(path: Path) -> dict:
+    """The JSON object in ``path``; empty when the file is absent or not JSON."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+
+
 def is_reranker(model_path: Path) -> bool:
     """Whether ``model_path`` holds a cross-encoder.
 
     A sentence-transformers ``CrossEncoder`` folder, or a transformers ``*ForSequenceClassification`` folder without
     ``modules.json`` (as CrossEncoder saved before v4).
     """
-
-    def read(file: str) -> dict:
-        path = model_path / file
-        try:
-            return json.loads(path.read_text()) if path.is_file() else {}
-        except (ValueError, UnicodeDecodeError):
-            return {}
-
-    if read("config_sentence_transformers.json").get("model_type") == "CrossEncoder":
+    if _json_file(model_path / "config_sentence_transformers.json").get("model_type") == "CrossEncoder":
         return True
-    if read("sentence_bert_config.json").get("transformer_task") == "sequence-classification":
+    if _json_file(model_path / "sentence_bert_config.json").get("transformer_task") == "sequence-classification":
         return True
-    architectures = read("config.json").get("architectures") or []
+    architectures = _json_file(model_path / "config.json").get("architectures") or []
     return not (model_path / "modules.json").is_file() and any(
         str(a).endswith("ForSequenceClassification") for a in architectures
     )
@@ -652,18 +652,8 @@ def rank_agreement(scores, reference) -> float:
     return float(same[differ].mean())
 
 
-def tokenize_pairs_like_server(tokenizer, pairs: list[tuple[str, str]], pad_id: int = 0):
-    """Tokenise (query, document) ``pairs`` as the tokenizer step does for a reranker: one batch, padded to its longest.
-
-    Returns:
-        ``(input_ids, segments)``, int64 numpy ``(len(pairs), longest)``; ``segments`` 0 on padding, else the
-        token's type id + 1 (``encoder_module.PairScorer``).
-    """
-    return tokenize_like_server(tokenizer, pairs, pad_id, pairs=True)
-
-
 def score_like_server(tokenizer, traced, pairs: list[tuple[str, str]]):
-    """Score ``pairs`` as the served reranker does (:func:`tokenize_pairs_like_server`, one batch).
+    """Score ``pairs`` as the served reranker does (:func:`tokenize_like_server` with ``pairs``, one batch).
 
     Returns:
         ``(len(pairs), 2)`` float32 numpy: the score and the raw logit per pair.
@@ -672,7 +662,7 @@ def score_like_server(tokenizer, traced, pairs: list[tuple[str, str]]):
 
     pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else 0
     tokenizer.no_padding()
-    ids, segments = tokenize_pairs_like_server(tokenizer, pairs, pad_id)
+    ids, segments = tokenize_like_server(tokenizer, pairs, pad_id, pairs=True)
     with torch.no_grad():
         return traced(torch.from_numpy(ids), torch.from_numpy(segments)).numpy()
 
@@ -777,7 +767,8 @@ def tokenize_like_server(tokenizer, texts: list, pad_id: int = 0, *, pairs: bool
         tokenizer: a ``tokenizers.Tokenizer`` with padding off (truncation as exported).
         texts: the texts (or, with ``pairs``, (query, document) tuples), at least one.
         pad_id: the id padding positions hold (their mask is 0, so it does not change any embedding).
-        pairs: the mask holds each token's type id + 1 (:func:`tokenize_pairs_like_server`), not 1.
+        pairs: the mask holds each token's type id + 1 (a reranker's segments: ``encoder_module.PairScorer``),
+            not 1.
 
     Returns:
         ``(input_ids, attention_mask)``, int64 numpy ``(len(texts), longest)``.
@@ -842,11 +833,7 @@ def check_model_folder(path: Path) -> str | None:  # noqa: PLR0911 - one message
     if not modules.is_file():
         if is_reranker(path):
             return None
-        config = path / "config.json"
-        try:
-            architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
-        except (ValueError, UnicodeDecodeError):
-            architectures = []
+        architectures = _json_file(path / "config.json").get("architectures") or []
         if causal := [str(a) for a in architectures if str(a).endswith("ForCausalLM")]:
             return (
                 f"{path} holds a causal language model ({causal[0]}): an LLM-based reranker that scores with yes/no "
