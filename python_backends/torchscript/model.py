@@ -283,7 +283,7 @@ class TritonPythonModel:
         tokenizer counted in flight are counted out, whatever happens.
         """
         started = time.perf_counter()
-        self.in_flight.started()
+        self.admission.served.in_flight(self.in_flight.started())
         self._owed: list[int] | None = [
             len(requests),
             0,
@@ -299,16 +299,20 @@ class TritonPythonModel:
         """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
 
         Also after an execution of direct callers only: an encoder never marked idle keeps strays counted for good.
+        The texts are counted out even when deriving the knobs fails (the knobs then stay as they were).
         """
-        if self._owed is not None:
-            limits = self.admission.limits()  # the curve as of the last execution
+        if self._owed is None:
+            return
+        owed, self._owed = self._owed, None
+        try:
+            limits = self.admission.limits()  # the curve and the served p99 as of the last execution
             now = time.monotonic()
             if limits.knobs() != self.limits.knobs() or now - self._published > PUBLISH_S:
                 self._metrics.admission(limits, self.admission.curve)
                 self._published = now
             self.limits = limits
-            self.in_flight.answered(*self._owed, limits=(limits.max_in_flight, limits.bulk_in_flight))
-            self._owed = None
+        finally:
+            self.in_flight.answered(*owed, limits=(self.limits.max_in_flight, self.limits.bulk_in_flight))
 
     def _texts_in_flight(self, texts: int | None, parameters: dict) -> tuple[int, int]:
         """What a request counts in flight, (interactive texts, bulk texts), as the tokenizer counted it in.
@@ -330,6 +334,10 @@ class TritonPythonModel:
         live = [it for it in items if it.piece is not None]
         embeddings = self._run([it.piece for it in live]) if live else None
         self._count_out()
+        done_ns = time.monotonic_ns()
+        for it in live:
+            if it.counts[0]:  # an admitted interactive request: its time in the service steers the door
+                self.admission.served.answered((done_ns - it.stamp) / 1e6, done_ns / 1e9)
         row = 0
         for it in items:
             if it.piece is not None:

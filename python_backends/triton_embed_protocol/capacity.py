@@ -7,7 +7,9 @@ that curve, seconds per execution by rows, :class:`Admission` sets the door and 
 - ``MAX_IN_FLIGHT``: the most texts in flight whose predicted time in the service stays within
   :data:`TARGET_SHARE` of ``SLA_MS``. With ``n`` texts in flight a new one waits for the execution running (at most
   ``n`` rows) and then runs in the next: about ``2 t(n)`` while ``n`` fits one batch, ``t(B) (1 + ceil(n / B))``
-  beyond (``B`` = the model's ``max_batch_size``); never below :data:`FLOOR` of the door measured at load.
+  beyond (``B`` = the model's ``max_batch_size``); never below :data:`FLOOR` of the door measured at load. That
+  prediction is a typical time, not a p99, and it sees neither the tokenizer nor the clients that share the cores:
+  :class:`ServedLatency` scales the door by the p99 that admitted requests actually spend in the service.
 - ``BULK_IN_FLIGHT``: the most bulk texts one execution may hold so that a one-text request behind it still answers
   within that share: ``2 t(b)``, as for the door.
 - ``BULK_TEXTS``: a quarter of the door at load (the shipped ratio, 8 of 32): four such requests fit the door.
@@ -51,6 +53,30 @@ MAX_DOOR_BATCHES = 16
 FLOOR = 0.5
 """The door never goes below this share of the door measured at load: below it the batches grow too small for the
 encoder to keep its throughput (the flood rule's floor, ``overload.Door.FLOOR``, for the same reason)."""
+
+
+FEEDBACK_SHARE = 0.7
+"""The p99 time in the service that :class:`ServedLatency` steers admitted requests to, a share of ``SLA_MS``: the
+encoder sees a request from the tokenizer's hand-off to its answer, and the frontend, the ensemble and the tokenizer
+add to that on a busy machine (docs/benchmarks.md, "The measured door")."""
+
+FEEDBACK_PERIOD_S = 0.5
+""":class:`ServedLatency` moves the door at most this often, by the p99 of the answers since it last moved, s."""
+
+FEEDBACK_MIN_SAMPLES = 50
+"""Answers a period needs before their p99 moves the door (fewer: the period goes on)."""
+
+FEEDBACK_IDLE_S = 5.0
+"""After this long without an answer :class:`ServedLatency` forgets its factor: a flood that is over says nothing of
+the next load, s."""
+
+FEEDBACK_SCALE = (1 / 16, 4.0)
+"""The lowest and highest factor :class:`ServedLatency` may put on the curve's door."""
+
+FEEDBACK_FLOOR_SHARE = 0.25
+""":class:`ServedLatency` never takes the door below the texts whose predicted time in the service is this share of
+the budget: with so few in flight the encoder's own queue is not what makes the p99, and smaller batches would only
+lower the throughput (a flood's refusals and the frontend take the time then, docs/overload.md)."""
 
 
 def grid(max_batch: int) -> list[int]:
@@ -120,6 +146,65 @@ class ServiceCurve:
     def seconds(self, rows: int, table: list[tuple[int, float]] | None = None) -> float:
         """Predicted seconds of one execution of ``rows`` texts, interpolated on ``table`` (None: :meth:`table`)."""
         return _interpolate(table or self.table(), rows)
+
+
+class ServedLatency:
+    """Scales the curve's door by the p99 time in the service of the requests it admitted (a feedback loop).
+
+    Every :data:`FEEDBACK_PERIOD_S` (and :data:`FEEDBACK_MIN_SAMPLES` answers) it reads the p99 of the answers since
+    it last moved: above the budget the factor falls in proportion (``budget / p99``, by at most half at a time), so
+    the door shrinks as fast as
+    the machine turns out slower than its curve (cores shared with the tokenizer, the frontend, the clients, another
+    model); under 0.8 x the budget while the door was nearly full (the in-flight count reached 0.8 x the door) it
+    grows by a tenth (a quarter under half the budget), so a door set too small by a noisy load-time timing opens up.
+    A door that is not nearly full is not what keeps the latency low, and is left alone. After
+    :data:`FEEDBACK_IDLE_S` without an answer the factor goes back to 1. Pure Python; one instance per encoder.
+    """
+
+    def __init__(self, budget_ms: float) -> None:
+        """Steer the p99 of the answers' time in the service to ``budget_ms`` (ms > 0)."""
+        self.budget_ms = budget_ms
+        self.scale = 1.0
+        self.p99_ms: float | None = None
+        self._answers: deque[float] = deque(maxlen=8192)
+        self._peak = 0
+        self._moved = self._last = time.monotonic()
+
+    def answered(self, ms: float, now: float | None = None) -> None:
+        """One admitted request answered ``ms`` after it entered the service (the tokenizer's hand-off), ms.
+
+        ``now``: ``time.monotonic()`` (None: read it).
+        """
+        self._answers.append(ms)
+        self._last = time.monotonic() if now is None else now
+
+    def in_flight(self, texts: int) -> None:
+        """The interactive texts in flight as an execution starts (the door's count)."""
+        self._peak = max(self._peak, texts)
+
+    def update(self, door: int, now: float | None = None) -> float:
+        """Move the factor if a period has passed since it last moved; returns the factor in force.
+
+        Args:
+            door: the door the factor was applied to last, texts (whether it was nearly full).
+            now: ``time.monotonic()`` (None: read it).
+        """
+        now = time.monotonic() if now is None else now
+        if now - self._last > FEEDBACK_IDLE_S:
+            self.scale, self.p99_ms, self._peak, self._moved = 1.0, None, 0, now
+            self._answers.clear()
+        if now - self._moved < FEEDBACK_PERIOD_S or len(self._answers) < FEEDBACK_MIN_SAMPLES:
+            return self.scale
+        recent = sorted(self._answers)
+        self._answers.clear()
+        self._moved, peak, self._peak = now, self._peak, 0
+        self.p99_ms = recent[min(len(recent) - 1, int(0.99 * len(recent)))]
+        low, high = FEEDBACK_SCALE
+        if self.p99_ms > self.budget_ms:
+            self.scale = max(low, self.scale * max(0.5, self.budget_ms / self.p99_ms))
+        elif self.p99_ms < 0.8 * self.budget_ms and peak >= 0.8 * door:
+            self.scale = min(high, self.scale * (1.25 if self.p99_ms < 0.5 * self.budget_ms else 1.1))
+        return self.scale
 
 
 def _bounded(points: list[tuple[int, float]]) -> list[float]:
@@ -257,8 +342,9 @@ class Admission:
         flood = pinned(parameters, "FLOOD_LATENCY_MS", AUTO, integer=False)
         self.flood_latency_ms = self.sla_ms / 2 if flood is None else flood
         self._how = {"SLA_MS": "pinned", "FLOOD_LATENCY_MS": "half of SLA_MS" if flood is None else "pinned"}
-        self._load_door = 0
-        self._load_door = self._door_and_lane()[0]
+        self.served = ServedLatency(self.sla_ms * FEEDBACK_SHARE)
+        self._load_door = self._door_now = 0
+        self._load_door = self._door_now = self._door_and_lane()[0]
         texts = pinned(parameters, "BULK_TEXTS", AUTO)
         if texts is None:
             door = self._load_door or self.curve.max_batch
@@ -279,6 +365,13 @@ class Admission:
             if door < math.ceil(self._load_door * FLOOR):
                 how["MAX_IN_FLIGHT"] = f"half the door at load; the curve alone gives {door} ({predicted})"
                 door = math.ceil(self._load_door * FLOOR)
+            scale = self.served.update(self._door_now, now)
+            if scale != 1.0:
+                floor = largest_within(lambda n: time_in_service(self.curve, n, table), budget_s * FEEDBACK_FLOOR_SHARE,
+                                       MAX_DOOR_BATCHES * batch)  # fmt: skip
+                door = max(min(door, floor), min(MAX_DOOR_BATCHES * batch, round(door * scale)))
+                how["MAX_IN_FLIGHT"] += f", x{scale:.2f} by the served p99 ({self.served.p99_ms:.0f} ms)"
+            self._door_now = door
         else:
             door = int(self._door)
         if self._bulk is None:

@@ -420,13 +420,13 @@ class InFlight:
 
         return self._update(change)[0]
 
-    def started(self) -> None:
-        """The encoder began an execution: it is not idle."""
+    def started(self) -> int:
+        """The encoder began an execution: it is not idle. Returns the interactive texts in flight."""
 
         def change(fields: list[int], now: int) -> None:
             fields[1] = 0
 
-        self._update(change)
+        return self._update(change)[0]
 
     def answered(self, texts: int, bulk: int = 0, *, idle: bool = True, limits: tuple[int, int] | None = None) -> int:
         """The encoder answered ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count.

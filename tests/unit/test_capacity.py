@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 from triton_embed_protocol.capacity import (
+    FEEDBACK_FLOOR_SHARE,
+    FEEDBACK_IDLE_S,
+    FEEDBACK_MIN_SAMPLES,
+    FEEDBACK_PERIOD_S,
     TARGET_SHARE,
     Admission,
     ServiceCurve,
@@ -148,3 +153,53 @@ def test_an_execution_served_slower_than_proportion_is_cut_too():
         curve.observe(16, 0.035, now=0)
         curve.observe(64, 5.0, now=0)  # stalled executions of 64: no slower than two of 32
     assert dict(curve.table(now=0))[64] == pytest.approx(2 * 0.067)
+
+
+def serve_period(admission: Admission, now: float, *, ms: float, in_flight: int, answers: int = 100) -> int:
+    """One feedback period: ``answers`` admitted requests each ``ms`` in the service, ``in_flight`` at their starts;
+    returns the door in force at ``now`` (``time.monotonic()`` clock)."""
+    for _ in range(answers):
+        admission.served.in_flight(in_flight)
+        admission.served.answered(ms, now=now)
+    return admission.limits(now=now).max_in_flight
+
+
+def test_a_served_p99_over_its_budget_shrinks_the_door_down_to_the_curves_floor():
+    admission = Admission({}, linear_curve(3, 2))
+    start, door = time.monotonic(), admission.limits().max_in_flight
+    doors = [serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door) for k in range(1, 20)]
+    assert doors[0] < door and all(b <= a for a, b in zip(doors, doors[1:], strict=False))
+    assert "served p99 (400 ms)" in admission.limits(now=start + 10).how["MAX_IN_FLIGHT"]
+    floor = doors[-1]  # what the curve predicts at a quarter of the budget: the encoder's queue is not the p99 there
+    assert 1 < floor < door / 4
+    assert 2 * admission.curve.seconds(floor) * 1000 <= 200 * TARGET_SHARE * FEEDBACK_FLOOR_SHARE
+
+
+def test_a_nearly_full_door_with_a_low_p99_opens_and_a_door_not_reached_stays():
+    admission = Admission({}, linear_curve(3, 2))
+    start, door = time.monotonic(), admission.limits().max_in_flight
+    assert serve_period(admission, start + 1, ms=20, in_flight=door // 4) == door  # not what keeps the p99 low
+    opened = [door]
+    for k in range(1, 4):  # each period the door fills up
+        opened.append(serve_period(admission, start + 1 + k, ms=20, in_flight=opened[-1]))
+    assert opened == sorted(set(opened))
+
+
+def test_the_door_moves_once_a_period_and_only_with_enough_answers():
+    admission = Admission({}, linear_curve(3, 2))
+    start, door = time.monotonic(), admission.limits().max_in_flight
+    assert serve_period(admission, start + 1, ms=400, in_flight=door, answers=FEEDBACK_MIN_SAMPLES - 1) == door
+    moved = serve_period(admission, start + 1, ms=400, in_flight=door, answers=1)
+    assert moved < door
+    assert serve_period(admission, start + 1 + FEEDBACK_PERIOD_S / 2, ms=400, in_flight=door) == moved
+
+
+def test_the_factor_is_forgotten_once_the_encoder_has_answered_nothing_for_a_while():
+    admission = Admission({}, linear_curve(3, 2))
+    start, door = time.monotonic(), admission.limits().max_in_flight
+    for k in range(1, 6):  # a flood: the door shrinks
+        serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door)
+    for _ in range(100):
+        admission.served.answered(400, now=start + 3)
+    assert admission.limits(now=start + 3).max_in_flight < door
+    assert admission.limits(now=start + 3 + FEEDBACK_IDLE_S + 0.1).max_in_flight == door  # the flood is over
