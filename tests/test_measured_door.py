@@ -90,7 +90,7 @@ def test_a_slower_machine_keeps_the_accepted_p99_within_the_sla_past_its_door(tm
         print(door, admission(server), best, flood)  # shown when the test fails
     finally:
         server.stop()
-    assert 8 <= door < 32  # one core: narrower than the 2-core knee
+    assert door >= 8  # what one core holds depends on the CPU (an AMX core at bf16 measures 64): not asserted
     assert best.refused_per_s == 0 and best.other_errors == 0 and flood.other_errors == 0
     assert flood.p99_ms <= SLA_MS
     # generous for a noisy CI on 2 cores shared with the clients; docs/benchmarks.md carries the figure (0.81-1.13x)

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import serve_running
 from triton_embed import EmbeddingClient
@@ -221,3 +222,52 @@ def test_two_servers_started_at_once_on_the_same_ports_one_serves_and_the_other_
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_stub_stalled_past_tritons_health_check_costs_a_retrying_client_no_request(serve_process, reference):
+    """A stub that does not run for over a second (a starved or stopped process) under load.
+
+    Triton 2.51's Python backend answers the execution it waits for "Stub process ... is not healthy" after one
+    second without the stub's heartbeat, and tritonserver dies (SIGSEGV) once the stub, running again, answers
+    those requests itself (docs/troubleshooting.md). serve restarts it; the project's client retries across that,
+    so a caller with retries loses no request and gets the right embeddings.
+    """
+    from conftest import reference_embed
+
+    stop, results, errors = threading.Event(), [], []
+
+    def caller(k: int) -> None:
+        with EmbeddingClient(url=serve_process.grpc_url, retries=12, backoff_s=0.25) as client:
+            n = 0
+            while not stop.is_set():
+                text = f"stalled stub, caller {k}, request {n}"
+                try:
+                    results.append((text, client.embed([text])[0]))
+                except Exception as exc:  # noqa: BLE001 - every failure is what the test reports
+                    errors.append(repr(exc))
+                n += 1
+
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in callers:
+        t.start()
+    try:
+        time.sleep(2)
+        (encoder,) = [pid for pid, m in stub_processes(serve_process.server_pid).items() if m == "encoder"]
+        os.kill(encoder, signal.SIGSTOP)
+        time.sleep(2.5)
+        with contextlib.suppress(ProcessLookupError):  # gone with its server
+            os.kill(encoder, signal.SIGCONT)
+        time.sleep(2)
+        deadline = time.monotonic() + 60  # until a request sent now is answered: the server serves again
+        answered = len(results)
+        while len(results) < answered + 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in callers:
+            t.join(timeout=120)
+    print(f"stalled encoder stub: {len(results)} answers, tritonservers started: {serve_process.server_pids()}")
+    assert not errors, errors[:3]
+    assert len(results) >= answered + 8, serve_process.tail()
+    served = np.stack([row for _, row in results])  # every answer, before, across and after the restart
+    np.testing.assert_allclose(served, reference_embed(reference, [text for text, _ in results]), atol=1e-5)
