@@ -153,10 +153,10 @@ class ServedLatency:
 
     Every :data:`FEEDBACK_PERIOD_S` (and :data:`FEEDBACK_MIN_SAMPLES` answers) it reads the p99 of the answers since
     it last moved: above the budget the factor falls in proportion (``budget / p99``, by at most half at a time), so
-    the door shrinks as fast as
-    the machine turns out slower than its curve (cores shared with the tokenizer, the frontend, the clients, another
-    model); under 0.8 x the budget while the door was nearly full (the in-flight count reached 0.8 x the door) it
-    grows by a tenth (a quarter under half the budget), so a door set too small by a noisy load-time timing opens up.
+    the door shrinks as fast as the machine turns out slower than its curve (cores shared with the tokenizer, the
+    frontend, the clients, another model); under 0.8 x the budget while the door was nearly full (the in-flight count
+    reached 0.8 x the door) it grows by a tenth (a quarter under half the budget), so a door set too small by a noisy
+    load-time timing opens up.
     A door that is not nearly full is not what keeps the latency low, and is left alone. After
     :data:`FEEDBACK_IDLE_S` without an answer the factor goes back to 1. Pure Python; one instance per encoder.
     """
