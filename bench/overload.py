@@ -17,8 +17,9 @@ Against the embedded server on a copy of the model repository (response cache of
 4. Zero refusals right after an idle spell: the knee's concurrency again after 5 s of silence.
 5. Parts 2 and 3 again against a second server with one encoder knob changed (``--compare KNOB=VALUE``, default
    ``MAX_IN_FLIGHT=0``, no door; ``--no-compare`` skips it), so that what a mechanism carries shows side by side.
-   ``--alternate ROUNDS`` runs only wrk's floods (the Poisson bursts too, given ``--capacity``), against both
-   servers in turn, ROUNDS times, and prints the medians: the steadier comparison on a machine whose speed drifts.
+   ``--alternate ROUNDS`` runs only the no-backoff loops (wrk's Poisson bursts too, given ``--capacity``), against
+   both servers in turn, ROUNDS times, and prints the medians: the steadier comparison on a machine whose speed
+   drifts.
 
 Parts 2 and 3 run twice each: from wrk (C, HTTP; ``bench/wrk_embed.lua``) and from Python asyncio gRPC clients.
 
@@ -404,20 +405,31 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
                   f"{r.late} | {server_cores:.2f} | {client_cores:.2f} |", flush=True)  # fmt: skip
 
 
-def alternating_floods(servers: dict[str, object], wrk_texts: Path, args: argparse.Namespace) -> None:
-    """Run wrk's floods against each of ``servers`` in turn, ``args.alternate`` times; print each run and the medians.
+def alternating_floods(servers: dict[str, object], wrk_texts: Path, texts: list[str], args: argparse.Namespace) -> None:
+    """Run the floods against each of ``servers`` in turn, ``args.alternate`` times; print each run and the medians.
 
-    The floods: no-backoff loops of ``args.loops`` clients, and with ``args.capacity`` Poisson bursts at
-    ``args.rates`` times it. Alternating, rather than one server's floods after the other's, spreads a shared
-    machine's drifts in speed over every server alike.
+    The floods: no-backoff loops of ``args.loops`` clients from wrk (HTTP) and from asyncio gRPC clients (one new
+    text of ``texts`` each request), and with ``args.capacity`` wrk's Poisson bursts at ``args.rates`` times it.
+    Alternating, rather than one server's floods after the other's, spreads a shared machine's drifts in speed over
+    every server alike.
 
     Args:
         servers: ``{label: running EmbeddedServer}``.
         wrk_texts: ``write_wrk_texts``'s file.
+        texts: the gRPC loops' texts, never sent before (each run takes the next ones).
         args: the command line.
     """
-    loads = [(f"{c} retrying at once", lambda srv, c=c: wrk_loop(srv.http_url, wrk_texts, c, args.loop_s))
-             for c in (int(x) for x in args.loops.split(","))]  # fmt: skip
+    unsent = iter(texts)
+
+    def grpc_loop(srv, clients: int) -> LoopResult:
+        batch = list(itertools.islice(unsent, 20_000))
+        return asyncio.run(no_backoff_loop(srv.grpc_url, batch, clients, args.loop_s))
+
+    loads = []
+    for c in (int(x) for x in args.loops.split(",")):
+        loads += [(f"{c} retrying at once, wrk HTTP",
+                   lambda srv, c=c: wrk_loop(srv.http_url, wrk_texts, c, args.loop_s)),
+                  (f"{c} retrying at once, asyncio gRPC", lambda srv, c=c: grpc_loop(srv, c))]  # fmt: skip
     if args.capacity:
         loads += [(f"Poisson {f:g}x = {f * args.capacity:.0f}/s",
                    lambda srv, f=f: wrk_poisson(srv.http_url, wrk_texts, f * args.capacity, args.burst_s))
@@ -497,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
             servers = {"shipped": stack.enter_context(served(tmp, "shipped")),
                        f"{knob} {value}": stack.enter_context(served(tmp, "compared", compared))}  # fmt: skip
             wrk_texts = write_wrk_texts(tmp / "wrk-texts.txt", unique_texts(20_000, "wrk"))
-            alternating_floods(servers, wrk_texts, args)
+            loop_texts = unique_texts(20_000 * 2 * args.alternate * len(args.loops.split(",")), "loop")
+            alternating_floods(servers, wrk_texts, loop_texts, args)
         return 0
 
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:

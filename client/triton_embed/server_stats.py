@@ -157,7 +157,8 @@ class Admission:
 
     Attributes:
         knobs: ``{knob: (value, source)}`` from ``triton_embed_admission`` (``SLA_MS``, ``MAX_IN_FLIGHT``,
-            ``BULK_IN_FLIGHT``, ``BULK_TEXTS``, ``FLOOD_LATENCY_MS``; source ``derived`` or ``pinned``).
+            ``BULK_IN_FLIGHT``, ``BULK_TEXTS``, ``FLOOD_LATENCY_MS``, ``SERVED_P99_MS``; source ``derived`` or
+            ``pinned``).
         curve_ms: ``{rows: ms}``: predicted time of one execution of that many texts, from
             ``triton_embed_service_seconds``.
     """
@@ -174,7 +175,7 @@ class Admission:
 
     def text(self) -> str:
         """Two lines: the knobs with how each was set, and the curve."""
-        order = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS")
+        order = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS", "SERVED_P99_MS")
         named = sorted(self.knobs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
         knobs = ", ".join(f"{k} {v:g} ({s})" for k, (v, s) in named)
         curve = ", ".join(f"{rows} in {ms:.1f} ms" for rows, ms in sorted(self.curve_ms.items()))

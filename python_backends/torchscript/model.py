@@ -283,7 +283,7 @@ class TritonPythonModel:
         tokenizer counted in flight are counted out, whatever happens.
         """
         started = time.perf_counter()
-        self.admission.served.in_flight(self.in_flight.started())
+        self.admission.started(self.in_flight.started())
         self._owed: list[int] | None = [
             len(requests),
             0,
@@ -337,7 +337,7 @@ class TritonPythonModel:
         done_ns = time.monotonic_ns()
         for it in live:
             if it.counts[0]:  # an admitted interactive request: its time in the service steers the door
-                self.admission.served.answered((done_ns - it.stamp) / 1e6, done_ns / 1e9)
+                self.admission.answered((done_ns - it.stamp) / 1e6, done_ns / 1e9)
         row = 0
         for it in items:
             if it.piece is not None:
@@ -466,7 +466,7 @@ class _BucketMetrics:
         self._knobs = pb_utils.MetricFamily(
             name=KNOB_GAUGE,
             description="Admission knobs in force (docs/overload.md): SLA_MS, MAX_IN_FLIGHT, BULK_IN_FLIGHT, "
-            "BULK_TEXTS, FLOOD_LATENCY_MS; how=pinned, or what it was derived from",
+            "BULK_TEXTS, FLOOD_LATENCY_MS, SERVED_P99_MS; how=pinned, or what it was derived from",
             kind=gauge,
         )
         self._curve = pb_utils.MetricFamily(

@@ -15,6 +15,8 @@ that curve, seconds per execution by rows, :class:`Admission` sets the door and 
 - ``BULK_TEXTS``: a quarter of the door at load (the shipped ratio, 8 of 32): four such requests fit the door.
 - ``FLOOD_LATENCY_MS``: half of ``SLA_MS``; under a flood the door follows the answers (Little's law,
   ``overload.Door``) so that an admitted request spends about that long in the service.
+- ``SERVED_P99_MS``: :data:`FEEDBACK_SHARE` of ``SLA_MS``, the p99 time in the service that :class:`ServedLatency`
+  steers admitted requests to by scaling the door (0: the door follows the curve alone).
 
 A number in the config pins a knob; ``auto`` (the shipped value) derives it. Pure Python, no torch, no Triton:
 tests/unit/test_capacity.py.
@@ -56,7 +58,8 @@ encoder to keep its throughput (the flood rule's floor, ``overload.Door.FLOOR``,
 
 
 FEEDBACK_SHARE = 0.7
-"""The p99 time in the service that :class:`ServedLatency` steers admitted requests to, a share of ``SLA_MS``: the
+"""``SERVED_P99_MS`` when ``auto``, a share of ``SLA_MS``: the p99 time in the service that :class:`ServedLatency`
+steers admitted requests to. The
 encoder sees a request from the tokenizer's hand-off to its answer, and the frontend, the ensemble and the tokenizer
 add to that on a busy machine (docs/benchmarks.md, "The measured door")."""
 
@@ -269,6 +272,7 @@ class Limits:
         bulk_in_flight: the bulk lane's share, bulk texts in the service (0 = no lane).
         bulk_texts: a request of more texts than this is bulk.
         flood_latency_ms: under a flood the door aims an admitted request at this time in the service, ms.
+        served_p99_ms: the p99 time in the service the door is scaled to keep admitted requests within, ms (0: off).
         how: per knob name, ``"pinned"`` (a number in the config) or what it was derived from.
     """
 
@@ -277,6 +281,7 @@ class Limits:
     bulk_in_flight: int
     bulk_texts: int
     flood_latency_ms: float
+    served_p99_ms: float
     how: dict[str, str] = field(default_factory=dict)
 
     def knobs(self) -> dict[str, float]:
@@ -287,6 +292,7 @@ class Limits:
             "BULK_IN_FLIGHT": self.bulk_in_flight,
             "BULK_TEXTS": self.bulk_texts,
             "FLOOD_LATENCY_MS": self.flood_latency_ms,
+            "SERVED_P99_MS": self.served_p99_ms,
         }
 
     def describe(self) -> str:
@@ -320,7 +326,7 @@ class Admission:
     ``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` follow the curve as executions are served (:meth:`limits`).
     """
 
-    KNOBS = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS")
+    KNOBS = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS", "SERVED_P99_MS")
 
     def __init__(self, parameters: dict[str, str], curve: ServiceCurve) -> None:
         """Read the knobs (``auto`` or a number each) and derive the ones left to the curve.
@@ -341,8 +347,14 @@ class Admission:
         self._bulk = pinned(parameters, "BULK_IN_FLIGHT", AUTO)
         flood = pinned(parameters, "FLOOD_LATENCY_MS", AUTO, integer=False)
         self.flood_latency_ms = self.sla_ms / 2 if flood is None else flood
-        self._how = {"SLA_MS": "pinned", "FLOOD_LATENCY_MS": "half of SLA_MS" if flood is None else "pinned"}
-        self.served = ServedLatency(self.sla_ms * FEEDBACK_SHARE)
+        served = pinned(parameters, "SERVED_P99_MS", AUTO, integer=False)
+        self.served_p99_ms = self.sla_ms * FEEDBACK_SHARE if served is None else served
+        self._how = {
+            "SLA_MS": "pinned",
+            "FLOOD_LATENCY_MS": "half of SLA_MS" if flood is None else "pinned",
+            "SERVED_P99_MS": f"{FEEDBACK_SHARE:g} x SLA_MS" if served is None else "pinned",
+        }
+        self.served = ServedLatency(self.served_p99_ms) if self.served_p99_ms else None
         self._load_door = self._door_now = 0
         self._load_door = self._door_now = self._door_and_lane()[0]
         texts = pinned(parameters, "BULK_TEXTS", AUTO)
@@ -365,7 +377,7 @@ class Admission:
             if door < math.ceil(self._load_door * FLOOR):
                 how["MAX_IN_FLIGHT"] = f"half the door at load; the curve alone gives {door} ({predicted})"
                 door = math.ceil(self._load_door * FLOOR)
-            scale = self.served.update(self._door_now, now)
+            scale = self.served.update(self._door_now, now) if self.served else 1.0
             if scale != 1.0:
                 floor = largest_within(lambda n: time_in_service(self.curve, n, table), budget_s * FEEDBACK_FLOOR_SHARE,
                                        MAX_DOOR_BATCHES * batch)  # fmt: skip
@@ -384,7 +396,18 @@ class Admission:
     def limits(self, now: float | None = None) -> Limits:
         """The knobs in force now (``time.monotonic()``; None: read it), from the curve as it stands."""
         door, bulk, how = self._door_and_lane(now)
-        return Limits(self.sla_ms, door, bulk, self.bulk_texts, self.flood_latency_ms, {**self._how, **how})
+        return Limits(self.sla_ms, door, bulk, self.bulk_texts, self.flood_latency_ms, self.served_p99_ms,
+                      {**self._how, **how})  # fmt: skip
+
+    def started(self, texts: int) -> None:
+        """An execution starts with ``texts`` interactive texts in flight (the door's count)."""
+        if self.served:
+            self.served.in_flight(texts)
+
+    def answered(self, ms: float, now: float | None = None) -> None:
+        """An admitted interactive request answered ``ms`` after it entered the service, ms (``now``: monotonic s)."""
+        if self.served:
+            self.served.answered(ms, now)
 
 
 KNOB_GAUGE = "triton_embed_admission"

@@ -11,6 +11,7 @@ from triton_embed_protocol.capacity import (
     FEEDBACK_IDLE_S,
     FEEDBACK_MIN_SAMPLES,
     FEEDBACK_PERIOD_S,
+    FEEDBACK_SHARE,
     TARGET_SHARE,
     Admission,
     ServiceCurve,
@@ -159,8 +160,8 @@ def serve_period(admission: Admission, now: float, *, ms: float, in_flight: int,
     """One feedback period: ``answers`` admitted requests each ``ms`` in the service, ``in_flight`` at their starts;
     returns the door in force at ``now`` (``time.monotonic()`` clock)."""
     for _ in range(answers):
-        admission.served.in_flight(in_flight)
-        admission.served.answered(ms, now=now)
+        admission.started(in_flight)
+        admission.answered(ms, now=now)
     return admission.limits(now=now).max_in_flight
 
 
@@ -200,6 +201,18 @@ def test_the_factor_is_forgotten_once_the_encoder_has_answered_nothing_for_a_whi
     for k in range(1, 6):  # a flood: the door shrinks
         serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door)
     for _ in range(100):
-        admission.served.answered(400, now=start + 3)
+        admission.answered(400, now=start + 3)
     assert admission.limits(now=start + 3).max_in_flight < door
     assert admission.limits(now=start + 3 + FEEDBACK_IDLE_S + 0.1).max_in_flight == door  # the flood is over
+
+
+def test_served_p99_ms_pins_the_target_and_zero_leaves_the_curves_door_alone():
+    pinned_target = Admission({"SERVED_P99_MS": "300"}, linear_curve(3, 2))
+    start, door = time.monotonic(), pinned_target.limits().max_in_flight
+    assert pinned_target.limits().knobs()["SERVED_P99_MS"] == 300
+    assert pinned_target.limits().how["SERVED_P99_MS"] == "pinned"
+    assert serve_period(pinned_target, start + 1, ms=250, in_flight=door) == door  # within 300 ms: no shrink
+    assert serve_period(pinned_target, start + 2, ms=400, in_flight=door) < door
+    off = Admission({"SERVED_P99_MS": "0"}, linear_curve(3, 2))
+    assert [serve_period(off, start + k, ms=4000, in_flight=door) for k in range(1, 4)] == [door] * 3
+    assert Admission({}, linear_curve(3, 2)).limits().knobs()["SERVED_P99_MS"] == 200 * FEEDBACK_SHARE
