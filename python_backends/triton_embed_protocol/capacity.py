@@ -378,10 +378,11 @@ class Admission:
                 how["MAX_IN_FLIGHT"] = f"half the door at load; the curve alone gives {door} ({predicted})"
                 door = math.ceil(self._load_door * FLOOR)
             scale = self.served.update(self._door_now, now) if self.served else 1.0
-            if scale != 1.0:
+            if self.served and scale != 1.0:
                 floor = largest_within(lambda n: time_in_service(self.curve, n, table), budget_s * FEEDBACK_FLOOR_SHARE,
                                        MAX_DOOR_BATCHES * batch)  # fmt: skip
-                door = max(min(door, floor), min(MAX_DOOR_BATCHES * batch, round(door * scale)))
+                scaled = math.ceil(door * scale) if scale > 1 else round(door * scale)  # a door of 1 can open
+                door = max(min(door, floor), min(MAX_DOOR_BATCHES * batch, scaled))
                 how["MAX_IN_FLIGHT"] += f", x{scale:.2f} by the served p99 ({self.served.p99_ms:.0f} ms)"
             self._door_now = door
         else:

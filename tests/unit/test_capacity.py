@@ -216,3 +216,13 @@ def test_served_p99_ms_pins_the_target_and_zero_leaves_the_curves_door_alone():
     off = Admission({"SERVED_P99_MS": "0"}, linear_curve(3, 2))
     assert [serve_period(off, start + k, ms=4000, in_flight=door) for k in range(1, 4)] == [door] * 3
     assert Admission({}, linear_curve(3, 2)).limits().knobs()["SERVED_P99_MS"] == 200 * FEEDBACK_SHARE
+
+
+def test_a_door_of_one_timed_on_busy_cores_opens_while_its_answers_come_back_fast():
+    admission = Admission({}, linear_curve(90, 2))  # load-time executions slowed by other work: 2 x 92 ms > budget
+    start = time.monotonic()
+    assert admission.limits(now=start).max_in_flight == 1
+    doors = [1]
+    for k in range(1, 12):  # every period the door is full and the answers take 20 ms
+        doors.append(serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=20, in_flight=doors[-1]))
+    assert doors == sorted(doors) and doors[1] == 2 and doors[-1] == 4  # up to the factor's cap on the curve's door
