@@ -405,6 +405,10 @@ def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, 
                   f"{r.late} | {server_cores:.2f} | {client_cores:.2f} |", flush=True)  # fmt: skip
 
 
+LOOP_TEXTS = 20_000
+"""Texts one gRPC loop of :func:`alternating_floods` may send (a 15 s loop at ~500 answers/s takes ~8,000)."""
+
+
 def alternating_floods(servers: dict[str, object], wrk_texts: Path, texts: list[str], args: argparse.Namespace) -> None:
     """Run the floods against each of ``servers`` in turn, ``args.alternate`` times; print each run and the medians.
 
@@ -422,7 +426,7 @@ def alternating_floods(servers: dict[str, object], wrk_texts: Path, texts: list[
     unsent = iter(texts)
 
     def grpc_loop(srv, clients: int) -> LoopResult:
-        batch = list(itertools.islice(unsent, 20_000))
+        batch = list(itertools.islice(unsent, LOOP_TEXTS))
         return asyncio.run(no_backoff_loop(srv.grpc_url, batch, clients, args.loop_s))
 
     loads = []
@@ -509,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
             servers = {"shipped": stack.enter_context(served(tmp, "shipped")),
                        f"{knob} {value}": stack.enter_context(served(tmp, "compared", compared))}  # fmt: skip
             wrk_texts = write_wrk_texts(tmp / "wrk-texts.txt", unique_texts(20_000, "wrk"))
-            loop_texts = unique_texts(20_000 * 2 * args.alternate * len(args.loops.split(",")), "loop")
+            loop_texts = unique_texts(LOOP_TEXTS * len(servers) * args.alternate * len(args.loops.split(",")), "loop")
             alternating_floods(servers, wrk_texts, loop_texts, args)
         return 0
 

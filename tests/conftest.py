@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +43,6 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     with EmbeddedServer(http_port=0, grpc_port=0, metrics_port=0, log_file=log) as srv:
         yield srv
-        # clients a test dropped without closing keep HTTP connections open, and tritonserver waits its whole exit
-        # timeout (30 s) for them at stop: collect them first
-        gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -59,9 +59,8 @@ encoder to keep its throughput (the flood rule's floor, ``overload.Door.FLOOR``,
 
 FEEDBACK_SHARE = 0.7
 """``SERVED_P99_MS`` when ``auto``, a share of ``SLA_MS``: the p99 time in the service that :class:`ServedLatency`
-steers admitted requests to. The
-encoder sees a request from the tokenizer's hand-off to its answer, and the frontend, the ensemble and the tokenizer
-add to that on a busy machine (docs/benchmarks.md, "The measured door")."""
+steers admitted requests to. The encoder sees a request from the tokenizer's hand-off to its answer, and the
+frontend, the ensemble and the tokenizer add to that on a busy machine (docs/benchmarks.md, "The measured door")."""
 
 FEEDBACK_PERIOD_S = 0.5
 """:class:`ServedLatency` moves the door at most this often, by the p99 of the answers since it last moved, s."""
@@ -377,8 +376,7 @@ class Admission:
             if door < math.ceil(self._load_door * FLOOR):
                 how["MAX_IN_FLIGHT"] = f"half the door at load; the curve alone gives {door} ({predicted})"
                 door = math.ceil(self._load_door * FLOOR)
-            scale = self.served.update(self._door_now, now) if self.served else 1.0
-            if self.served and scale != 1.0:
+            if self.served and (scale := self.served.update(self._door_now, now)) != 1.0:
                 floor = largest_within(lambda n: time_in_service(self.curve, n, table), budget_s * FEEDBACK_FLOOR_SHARE,
                                        MAX_DOOR_BATCHES * batch)  # fmt: skip
                 scaled = math.ceil(door * scale) if scale > 1 else round(door * scale)  # a door of 1 can open
