@@ -245,12 +245,14 @@ def load(base: str, groups: list[tuple[int, list[str]]], seconds: float) -> int:
 def test_the_sampling_follows_load_down_at_a_high_rate_up_when_p95_crosses_the_threshold(tmp_path):
     # Decisions every 0.5 s; 0.5 traces/s budget; p95 over 400 ms is slow: 4 callers of one short text are far under
     # it, and 16 callers of 16 long texts beside them far over it on any CPU, at a rate still over the budget. The
-    # short callers run through both phases: a pause between them would be a quiet interval of its own.
+    # short callers run through both phases: a pause between them would be a quiet interval of its own. BULK_TEXTS 8
+    # sends the 16-text requests to the bulk lane, which queues them, on any machine: the door measured at start-up
+    # would otherwise decide whether 16 texts are bulk, and refuse them past its limit.
     knobs = {"TRITON_EMBED_TRACE_INTERVAL_S": "0.5", "TRITON_EMBED_TRACE_BUDGET": "0.5",
              "TRITON_EMBED_TRACE_SLOW_MS": "400", "TRITON_EMBED_ADMIN_KEY": ADMIN_KEY}  # fmt: skip
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **knobs}
-        repo = variant_repository(tmp_path / "repo", None)
+        repo = variant_repository(tmp_path / "repo", None, knobs={("encoder", "BULK_TEXTS"): "8"})
         with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, admin_key=ADMIN_KEY,
                             log_file=tmp_path / "log", extra_args=triton_trace_args(env)) as server, \
                 gateway_process(server, env, tmp_path / "gateway.log") as base:  # fmt: skip
