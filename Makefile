@@ -48,7 +48,7 @@ LOCUST := $(PY) -m locust -f loadtest/locustfile.py --triton-host $(TRITON_HOST)
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --sla-ms $(SLA_MS) $(if $(NAME),--model $(NAME)) \
 	$(if $(RERANK),--rerank-model $(RERANK))
 
-.PHONY: install peers client-test model remove-model reference-model serve test unit lint typecheck tune bench bench-encoder bench-precision bench-overload bench-bulk bench-rerank perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
+.PHONY: install peers client-test model remove-model reference-model serve test unit lint typecheck tune bench bench-encoder bench-precision bench-overload bench-bulk bench-rerank bench-idle-models perf-data clean loadtest loadtest-ui capacity system-deps gpu-carry
 
 install: $(STAMP)
 
@@ -187,6 +187,11 @@ bench-rerank: install
 # latency_budget_ms 0, then both, on the packaged model at PRECISION, all retrying at once over gRPC; ~3 min.
 bench-bulk: install
 	$(PY) -m bench.bulk --precision $(PRECISION) $(BENCH_ARGS)
+
+# Idle models' cost to the busy one (bench/idle_models.py): perf_analyzer on embed served alone, beside two idle
+# models (a second embedder and a reranker), and beside them with spinning OpenMP threads; ~10 min a round.
+bench-idle-models: model
+	$(PY) -m bench.idle_models $(BENCH_ARGS)
 
 # perf_analyzer's --input-data file (bench/perf_data.py): 200,000 texts never sent before, from STS-B or CORPUS=file.
 PERF_DATA ?= .build/perf-texts.json
