@@ -36,7 +36,9 @@ TEXTS_PER_LEVEL = 20_000
 
 
 def repositories(folder: Path) -> dict[str, Path]:
-    """``{"alone": repo, "idle beside": repo}``: copies of the served ``embed``, the second with two idle models.
+    """Each of :data:`VARIANTS` to its repository, a copy of the served ``embed``.
+
+    Both "idle beside" variants share one copy, with two idle models exported into it.
 
     Raises:
         ValueError: the served repository lacks what ``bench.run.variant_repository`` copies.
@@ -87,7 +89,7 @@ def sweep(repo: Path, log: Path, levels: list[int], texts: list[str], *, tag: st
                 out["levels"].append(asdict(level))
                 print(f"  {tag} {concurrency}: {level.throughput:.0f} infer/s, p99 {level.p99_ms:.0f} ms "
                       f"{level.error[:120]}", flush=True)  # fmt: skip
-                if level.refused or level.p99_ms > 2 * sla_ms:  # a level that did not settle: go on
+                if level.refused or level.p99_ms > 2 * sla_ms:  # one that did not settle (NaN) goes on
                     break
             return out
     finally:
