@@ -137,3 +137,23 @@ def summary(samples: list[RefusalSample], window_s: tuple[float, float]) -> dict
     if len(inside) < 2:
         return None
     return {"refused": inside[-1].refused - inside[0].refused, "window_s": inside[-1].time_s - inside[0].time_s}
+
+
+def past_capacity_line(failures: int, refused: int) -> str | None:
+    """What to do when a failed run's failures are mostly the server's refusals as overloaded, or None.
+
+    Args:
+        failures: the failures the users saw over the whole run.
+        refused: the requests the server refused as overloaded over the whole run (:func:`summary`'s ``refused``).
+
+    Returns:
+        one line for the run's summary where at least half the failures were refusals: the load is past what this
+        machine serves within the SLA (the door shed it), and ``make capacity`` finds the most users it serves.
+    """
+    if not failures or 2 * refused < failures:
+        return None
+    return (
+        f"{min(refused, failures)} of the {failures} failures were refused as overloaded: the server shed the load "
+        "it could not answer within the SLA, so this load is past this machine's capacity; `make capacity` finds the "
+        "most users it serves within the SLA"
+    )

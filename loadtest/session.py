@@ -158,6 +158,7 @@ class LoadRun:
             ),
             "deck": {"seed": self.env.deck.seed, "dealt": self.env.deck.dealt, "wraps": self.env.deck.wraps},
         }
+        whole_run = refusals.summary(refused, (self.started_s, float("inf")))
         data = report.build(
             run=run,
             gate=self.result,
@@ -170,7 +171,7 @@ class LoadRun:
             refusals={
                 "timeline": refusals.per_second(refused, self.started_s),
                 "window": refusals.summary(refused, (start_s, end_s)),
-                "run": refusals.summary(refused, (self.started_s, float("inf"))),
+                "run": whole_run,
             },
         )
         self.folder = Path(o.report_dir) if o.report_dir else RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
@@ -183,6 +184,9 @@ class LoadRun:
             )
         if data["worst_stretch"]:
             self.summary.append(stretch_line(data["worst_stretch"]))
+        past_capacity = refusals.past_capacity_line(self.result.failures, whole_run["refused"]) if whole_run else None
+        if not self.result.passed and past_capacity:
+            self.summary.append(past_capacity)
         hits = report.cache_hit_ratio(data)
         if hits > report.CACHE_WARNING_RATIO:
             wraps = self.env.deck.wraps

@@ -174,3 +174,13 @@ def test_stage_total_row_is_quiet_when_the_stages_add_up(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "| ensemble overhead | 4.00 | 20% |" in text and "| total | 20.00 | 100% |" in text
     assert "The stages add up to" not in text
+
+
+def test_a_run_failed_by_refusals_points_at_make_capacity():
+    from loadtest import refusals
+
+    line = refusals.past_capacity_line(failures=69, refused=64)
+    assert line is not None and line.startswith("64 of the 69 failures were refused as overloaded")
+    assert "make capacity" in line
+    assert refusals.past_capacity_line(failures=40, refused=10) is None  # mostly errors, not refusals: no such hint
+    assert refusals.past_capacity_line(failures=0, refused=3) is None  # refusals the users never saw fail
