@@ -125,8 +125,9 @@ class Replica:
     """``python -m triton_embed_server serve`` in namespace ``ns``, bound to ``address`` (HTTP 8000, gRPC 8001,
     metrics 8002). serve drains on SIGTERM and restarts a tritonserver that died, as the pod's container would be."""
 
-    def __init__(self, name: str, ns: str, address: str, log: Path) -> None:
-        self.name, self.ns, self.address, self.log = name, ns, address, log
+    def __init__(self, name: str, ns: str, address: str, log: Path, repository: Path | None = None) -> None:
+        """``repository``: the model repository it serves (None: serve's default, ``make model``'s)."""
+        self.name, self.ns, self.address, self.log, self.repository = name, ns, address, log, repository
         self.process: subprocess.Popen | None = None
 
     @property
@@ -145,7 +146,8 @@ class Replica:
         """Start serve in the namespace (it dies with this process: the parent-death signal)."""
         command = ["ip", "netns", "exec", self.ns, sys.executable, "-m", "triton_embed_server", "serve",
                    "--host", self.address, "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
-                   "--metrics-port", str(METRICS_PORT)]  # fmt: skip
+                   "--metrics-port", str(METRICS_PORT),
+                   *(["--model-repository", str(self.repository)] if self.repository else [])]  # fmt: skip
         argv, preexec = _spawn_args(command)
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(  # noqa: S603 - our own module
