@@ -546,6 +546,11 @@ def is_reranker(model_path: Path) -> bool:
     )
 
 
+CHECK_BATCH = 16
+"""Pairs per batch when a reranker's export scores its check and calibration pairs (padded to the batch's longest;
+one batch of all of them would pad every pair to the long text's 512 tokens)."""
+
+
 def check_pairs() -> list[tuple[str, str]]:
     """The (query, document) pairs a reranker's export checks.
 
@@ -587,12 +592,16 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
         return _portable(traced, "scorer"), info
 
     def predict(pairs: list[tuple[str, str]], activation=None):
-        return ce.predict(pairs, batch_size=len(pairs), activation_fn=activation, show_progress_bar=False)
+        return ce.predict(pairs, batch_size=CHECK_BATCH, activation_fn=activation, show_progress_bar=False)
+
+    def served_scores(module, pairs: list[tuple[str, str]]):
+        return np.concatenate([score_like_server(_copy(tokenizer), module, pairs[i : i + CHECK_BATCH])
+                               for i in range(0, len(pairs), CHECK_BATCH)])  # fmt: skip
 
     traced, info = scorer_at("fp32")
     tokenizer = _served_tokenizer(ce, model_path, info["max_seq_length"])
-    pairs = check_pairs()
-    served = score_like_server(_copy(tokenizer), traced, pairs)
+    pairs = sorted(check_pairs(), key=lambda p: len(p[0]) + len(p[1]))  # batches of like lengths: little padding
+    served = served_scores(traced, pairs)
     diffs = np.abs(served - np.stack([predict(pairs), predict(pairs, torch.nn.Identity())], axis=1)).max(axis=1)
     if diffs.max() >= MAX_ABS_DIFF:
         worst = int(diffs.argmax())
@@ -608,7 +617,7 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
         calibration = [(q, d) for q in queries for d in documents]
         reference = predict(calibration)
         reduced, _ = scorer_at(choice.precision)
-        scores = score_like_server(_copy(tokenizer), reduced, calibration)[:, 0]
+        scores = served_scores(reduced, calibration)[:, 0]
         worst = float(np.abs(scores - reference).max())
         agreement = min(
             rank_agreement(scores[k : k + len(documents)], reference[k : k + len(documents)])
