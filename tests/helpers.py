@@ -118,7 +118,11 @@ class ByteCountingProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
+            import socket
+
+            for s in (src, dst):  # shutdown first: a bare close leaves the other pipe's recv holding the connection
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
                 with contextlib.suppress(OSError):
                     s.close()
 
