@@ -140,15 +140,17 @@ def test_impossible_sla_fails_and_http_users_keep_up_with_grpc(server, grpc_run,
 
 @pytest.fixture(scope="module")
 def slow_encoder_server(tmp_path_factory):
-    """A second server whose encoder waits 400 ms for a batch (a misconfigured dynamic batcher); no shedding, which
-    would turn the slow requests into failures."""
+    """A second server whose encoder waits 400 ms for a batch (a misconfigured dynamic batcher); no shedding (no door,
+    no wait budget), which would turn the slow requests into failures: the served p99 over 400 ms narrows the door."""
     from triton_embed_server.embedded import EmbeddedServer
 
     from bench.run import variant_repository
 
     tmp = tmp_path_factory.mktemp("slow")
     repo = variant_repository(
-        tmp / "repo", encoder_delay_us=SLOW_QUEUE_DELAY_US, knobs={("encoder", "LATENCY_BUDGET_MS"): "0"}
+        tmp / "repo",
+        encoder_delay_us=SLOW_QUEUE_DELAY_US,
+        knobs={("encoder", "LATENCY_BUDGET_MS"): "0", ("encoder", "MAX_IN_FLIGHT"): "0"},
     )
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv
@@ -164,7 +166,7 @@ def test_slow_encoder_fails_the_gate_and_is_blamed(slow_encoder_server, tmp_path
     stretch = report["worst_stretch"]  # every second of the window is over the SLA: the stretch is all of it
     assert stretch["max_p99_ms"] > 200 and stretch["to_s"] - stretch["from_s"] >= 3, stretch
     assert "Worst stretch: " in done.stdout
-    assert not report["errors"]  # slow, not refused: the budget is off
+    assert not report["errors"]  # slow, not refused: the door and the budget are off
 
 
 def test_missing_corpus_file_is_a_one_line_error(server, tmp_path):
