@@ -65,6 +65,7 @@ from triton_embed_protocol.capacity import (
     Limits,
     ServiceCurve,
     grid,
+    timing_alone,
 )
 from triton_embed_protocol.metric_lifetime import keep
 from triton_embed_protocol.overload import (
@@ -222,8 +223,9 @@ class TritonPythonModel:
                 f"{args['model_name']} (instance {args['model_instance_name']}): {line}"
             ),
         )
-        self.runner.warmup()
-        self._admit(args, params, bulk_queue)
+        with timing_alone() as waited:  # timed beside another encoder's warmup, executions read 2-3x slow
+            self.runner.warmup()
+            self._admit(args, params, bulk_queue, waited)
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -235,8 +237,11 @@ class TritonPythonModel:
                 "re-run `make model`, which sets the configs' dims"
             )
 
-    def _admit(self, args: dict, params: dict[str, str], bulk_queue: int) -> None:
+    def _admit(self, args: dict, params: dict[str, str], bulk_queue: int, waited: float | None) -> None:
         """Time the executions at load, derive the admission knobs (``capacity.Admission``), tell the tokenizer.
+
+        ``waited``: seconds this encoder waited for the host's timing lock (``capacity.timing_alone``; None: it
+        times without it).
 
         Raises:
             TritonModelException: a knob is neither ``auto`` nor a number >= 0.
@@ -253,7 +258,8 @@ class TritonPythonModel:
         self._metrics.admission(self.limits, curve)
         self._published = time.monotonic()
         pb_utils.Logger.log_info(
-            f"{name}: admission {self.limits.describe()}; service curve at {tokens} tokens a text: "
+            f"{name}: admission {self.limits.describe()}; service curve at {tokens} tokens a text, "
+            + ("timed without the host's timing lock (busy): " if waited is None else "timed alone on the host: ")
             + ", ".join(f"{rows} in {seconds * 1000:.1f} ms" for rows, seconds in curve.table())
         )
         self.refusals = RefusalHold()

@@ -7,6 +7,7 @@ import it as ``triton_embed_protocol`` without editing ``sys.path``.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,15 @@ def model_of_step(step: str) -> str:
         if step.endswith(f"_{suffix}") and len(step) > len(suffix) + 1:
             return step[: -len(suffix) - 1]
     raise ValueError(f"a step is named 'tokenizer', 'encoder', '<model>_tokenizer' or '<model>_encoder'; got {step!r}")
+
+
+def shared_folder() -> Path:
+    """Where the stubs of a host share small files (in-flight counts, the timing lock).
+
+    ``/dev/shm``, or the temp folder on a host without one.
+    """
+    shm = Path("/dev/shm")  # noqa: S108 - the files are opened O_NOFOLLOW, mode 0600
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
 def served_ensembles(repository: Path) -> list[str]:

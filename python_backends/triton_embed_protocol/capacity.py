@@ -24,11 +24,16 @@ tests/unit/test_capacity.py.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
+import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from triton_embed_protocol import shared_folder
 
 AUTO = "auto"
 """The config value that lets a knob follow the measured curve."""
@@ -79,6 +84,45 @@ FEEDBACK_FLOOR_SHARE = 0.25
 """:class:`ServedLatency` never takes the door below the texts whose predicted time in the service is this share of
 the budget: with so few in flight the encoder's own queue is not what makes the p99, and smaller batches would only
 lower the throughput (a flood's refusals and the frontend take the time then, docs/overload.md)."""
+
+
+TIMING_WAIT_S = 300.0
+"""The longest an encoder waits for the host's timing lock (:func:`timing_alone`) before it times anyway, s."""
+
+
+@contextlib.contextmanager
+def timing_alone(wait_s: float = TIMING_WAIT_S) -> Iterator[float | None]:
+    """Hold the host's timing lock: encoders warm up and time their executions at load one at a time.
+
+    Triton loads the models of a repository in parallel, and every encoder on the host shares its cores: timed beside
+    another encoder's warmup, an execution takes two to three times as long, and a door sized from that refuses what
+    the machine serves (docs/benchmarks.md, "Idle models beside the busy one"). The lock is an exclusive ``flock``
+    on one file in ``/dev/shm`` (the temp folder without it), so it spans every server on the host and is released
+    when its holder exits, a crashed one included.
+
+    Args:
+        wait_s: the longest to wait for the lock, s; past it the body runs without it.
+
+    Yields:
+        Seconds waited for the lock, or None where it was not taken within ``wait_s``.
+    """
+    path = shared_folder() / "triton-embed-timing.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                waited: float | None = time.monotonic() - start
+                break
+            except BlockingIOError:
+                if time.monotonic() - start >= wait_s:
+                    waited = None
+                    break
+                time.sleep(0.05)
+        yield waited
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def grid(max_batch: int) -> list[int]:

@@ -27,7 +27,6 @@ import itertools
 import math
 import os
 import struct
-import tempfile
 import threading
 import time
 from collections import deque
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from triton_embed_protocol import BUDGET, budget_problem, refusal
+from triton_embed_protocol import BUDGET, budget_problem, refusal, shared_folder
 
 METRIC = "triton_embed_shed_requests_total"
 """Counter of requests refused by the encoder's overload control, labelled ``model``."""
@@ -358,8 +357,7 @@ class InFlight:
     @staticmethod
     def folder() -> Path:
         """Where the files live: ``/dev/shm``, or the temp folder on a host without one."""
-        shm = Path("/dev/shm")  # noqa: S108 - opened O_NOFOLLOW, mode 0600
-        return shm if shm.is_dir() else Path(tempfile.gettempdir())
+        return shared_folder()
 
     @classmethod
     def files(cls, server_pid: int | str = "*") -> list[Path]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,6 +21,7 @@ from triton_embed_protocol.capacity import (
     grid,
     largest_within,
     time_in_service,
+    timing_alone,
 )
 
 
@@ -226,3 +230,24 @@ def test_a_door_of_one_timed_on_busy_cores_opens_while_its_answers_come_back_fas
     for k in range(1, 12):  # every period the door is full and the answers take 20 ms
         doors.append(serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=20, in_flight=doors[-1]))
     assert doors == sorted(doors) and doors[1] == 2 and doors[-1] == 4  # up to the factor's cap on the curve's door
+
+
+def test_encoders_time_their_executions_one_at_a_time_on_a_host():
+    """A second process's timing waits for the first to finish (the lock spans processes, as stubs are)."""
+    holder = (
+        "import sys, time\n"
+        "from triton_embed_protocol.capacity import timing_alone\n"
+        "with timing_alone() as waited:\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(1.0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True, env=env) as first:
+        assert first.stdout.readline().strip() == "held"
+        with timing_alone(wait_s=0.2) as waited:
+            assert waited is None  # still held: past wait_s the body runs without the lock
+        start = time.monotonic()
+        with timing_alone() as waited:
+            assert waited is not None and 0.3 < waited < 5
+            assert time.monotonic() - start == pytest.approx(waited, abs=0.1)
+        assert first.wait(timeout=10) == 0
