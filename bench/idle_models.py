@@ -8,8 +8,8 @@ Three repositories over the checkout's served ``embed`` (``make model``; respons
 * ``idle beside``: ``embed``, the packaged all-MiniLM-L6-v2 again as ``second`` and the stand-in reranker of
   ``bench.rerank`` as ``rerank``, both fp32 and idle: what ``make model NAME=...`` gives a user;
 * ``idle beside, spinning``: the same with ``OMP_WAIT_POLICY=ACTIVE``, OpenMP threads that spin between parallel
-  regions with no end (the embedded server sets ``PASSIVE`` when it serves more than one model and the environment
-  names no policy), so the run shows what the wait policy does apart from everything else.
+  regions with no end (as shipped, OpenMP's default: they spin briefly, then sleep), so the run shows what the wait
+  policy of idle stubs does apart from everything else.
 
 One server runs at a time; each round starts each in turn, so a machine that slows down during the run slows all.
 Per server and level: perf_analyzer's closed loop over gRPC, one new STS-B text per request (never sent before),

@@ -72,6 +72,7 @@ from triton_embed_protocol.overload import (
     METRIC,
     METRIC_HELP,
     BudgetError,
+    CoreShare,
     InFlight,
     RefusalHold,
     is_bulk,
@@ -196,6 +197,8 @@ class TritonPythonModel:
                 "model-export step), which sets both"
             )
         torch.set_num_threads(threads)
+        self.cores = CoreShare(threads)
+        self._threads_now = threads
 
         if args.get("model_instance_kind") == "GPU":
             device = torch.device("cuda", int(args["model_instance_device_id"]))
@@ -289,6 +292,10 @@ class TritonPythonModel:
         tokenizer counted in flight are counted out, whatever happens.
         """
         started = time.perf_counter()
+        threads = self.cores.threads_now(self.in_flight.others(), time.monotonic_ns())
+        if threads != self._threads_now:  # the other models of this server that are busy share the cores
+            torch.set_num_threads(threads)
+            self._threads_now = threads
         self.admission.started(self.in_flight.started())
         self._owed: list[int] | None = [
             len(requests),

@@ -233,6 +233,45 @@ def capacity_share(others: list[DoorState]) -> float:
     return max(1.0 - sum(fills), 1.0 / (1 + len(fills)))
 
 
+class CoreShare:
+    """Torch threads for an encoder's next execution: its part of the cores among the models of its server busy now.
+
+    Encoders of one server that run at once split the cores instead of each taking all of them: two processes whose
+    OpenMP threads each want every core take them from each other, spinning (OpenMP's default wait policy: 7-11
+    answers/s each at p99 1-1.5 s on 2 cores) or waking up for every parallel region (``OMP_WAIT_POLICY=PASSIVE``:
+    about 15% less throughput for a model served alone or beside idle ones). One busy model keeps every core;
+    docs/benchmarks.md, "Several models on one CPU". A model counts as busy for :data:`HOLD_NS` after it was last
+    seen with texts in flight, so that the split does not flip between the gaps of a steady load (each flip from
+    every core to a part leaves an OpenMP thread spinning on a core another model needs). One per encoder instance.
+    """
+
+    HOLD_NS = 1_000_000_000
+    """How long a model seen busy counts as busy, ns (1 s)."""
+
+    def __init__(self, threads: int) -> None:
+        """Share ``threads`` (``TORCH_NUM_THREADS``, else the encoder's cores), threads >= 1."""
+        self.threads = threads
+        self._busy = 0
+        self._seen_ns = 0
+
+    def threads_now(self, others: list[DoorState], now_ns: int) -> int:
+        """Threads for an execution that begins at ``now_ns``.
+
+        Args:
+            others: the other models' views (:meth:`InFlight.others`); busy = texts in flight.
+            now_ns: ``time.monotonic_ns()``.
+
+        Returns:
+            ``threads`` over the busy models, this one included; at least 1.
+        """
+        busy = sum(1 for o in others if o.count + o.bulk)
+        if busy or now_ns - self._seen_ns >= self.HOLD_NS:
+            self._busy = busy
+        if busy:
+            self._seen_ns = now_ns
+        return max(1, self.threads // (1 + self._busy))
+
+
 def queue_full_message(waiting: int, texts: int, bulk_queue: int) -> str:
     """The UNAVAILABLE message of a bulk request refused because the bulk lane holds ``bulk_queue`` texts already."""
     return refusal(

@@ -40,10 +40,6 @@ from triton_embed_server.supervisor import ADMIN_HEADER, StubWatchdog, finish_st
 
 log = logging.getLogger("triton_embed_server")
 ADMIN_KEY_ENV = "TRITON_EMBED_ADMIN_KEY"
-SEVERAL_MODELS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-"""With several models, each encoder's OpenMP threads sleep between parallel regions instead of spinning: on 2 CPU
-cores two spinning encoders served 15 texts/s at p99 1.5 s, sleeping ones 170/s at 130 ms (docs/benchmarks.md,
-"Several models on one CPU"); alone, spinning serves up to 15% more, so one model keeps it."""
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 """Triton API groups that need the admin header; the rest (inference, health, metadata, statistics) stay open."""
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -303,7 +299,7 @@ class EmbeddedServer:
             self._regions_before = backend_regions()
         self._process = subprocess.Popen(  # noqa: S603 - fixed binary, our own arguments
             argv,
-            env=self._environment(),
+            env=server_environment(find_layout()),
             stdout=stdout,
             stderr=subprocess.STDOUT if stdout else None,
             stdin=subprocess.DEVNULL,
@@ -320,18 +316,6 @@ class EmbeddedServer:
                 admin_key=self.config.admin_key,
             ).start()
         return self
-
-    def _environment(self) -> dict[str, str]:
-        """The environment of tritonserver (``layout.server_environment``).
-
-        With more than one model in the repository, :data:`SEVERAL_MODELS_ENV` too, unless the caller's environment
-        sets those variables itself.
-        """
-        env = server_environment(find_layout())
-        if len(self.ensembles()) > 1:
-            for key, value in SEVERAL_MODELS_ENV.items():
-                env.setdefault(key, value)
-        return env
 
     def is_alive(self) -> bool:
         """True while the tritonserver process runs."""

@@ -10,6 +10,7 @@ from triton_embed_protocol import request_parameters
 from triton_embed_protocol.overload import (
     BudgetError,
     BulkLane,
+    CoreShare,
     Door,
     DoorState,
     InFlight,
@@ -109,6 +110,20 @@ def test_models_of_one_server_share_the_machine_and_each_keeps_an_equal_part_how
     assert capacity_share([state(30, 40, bulk=10)]) == 0.5  # the other's door full (bulk counts): an equal part
     assert capacity_share([state(40, 40), state(500, 1024)]) == pytest.approx(1 / 3)
     assert capacity_share([state(9, 0)]) == 1.0  # a model without a door is not counted
+
+
+def test_busy_models_of_one_server_split_the_cores_and_idle_ones_leave_them():
+    hold = CoreShare.HOLD_NS
+    assert CoreShare(2).threads_now([], 0) == 2  # alone: every core
+    assert CoreShare(2).threads_now([state(0, 32), state(0, 32)], 0) == 2  # the others idle
+    assert CoreShare(2).threads_now([state(3, 32)], 0) == 1  # one other busy: half each
+    assert CoreShare(2).threads_now([state(0, 32, bulk=64)], 0) == 1  # bulk work is work
+    assert CoreShare(8).threads_now([state(1, 32), state(5, 0), state(0, 32)], 0) == 2  # three busy: 8 // 3
+    assert CoreShare(2).threads_now([state(1, 32)] * 3, 0) == 1  # never below one thread
+    share = CoreShare(2)
+    assert share.threads_now([state(1, 32)], hold) == 1
+    assert share.threads_now([state(0, 32)], hold + hold // 2) == 1  # a gap in a steady load keeps the split
+    assert share.threads_now([state(0, 32)], 2 * hold) == 2  # idle for the hold: every core again
 
 
 def test_the_door_shrinks_to_its_share_and_the_refusal_says_why():
