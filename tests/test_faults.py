@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import signal
-import struct
 import threading
 import time
 import urllib.request
@@ -28,6 +27,7 @@ from helpers import (
     text_tensor,
 )
 from triton_embed import EmbeddingClient, ServerUnavailableError
+from triton_embed_protocol.overload import InFlightRecord
 from triton_embed_server.embedded import EmbeddedServer
 from triton_embed_server.shm import backend_regions
 from triton_embed_server.supervisor import STARTUP_INTERVAL_S, StubWatchdog, proc_state, stub_processes
@@ -83,13 +83,15 @@ def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(
     for name in ("triton_embed_shed_requests_total", "triton_embed_padded_tokens_total"):
         assert any(k.startswith(f"{name}{{") for k in rows), sorted(rows)
     # The door still knows the encoder's knobs as the reloaded encoder measured them (the gauges), REFUSAL_HOLD_MS
-    # (1 s) and BULK_QUEUE (2048): the shared in-flight file (overload.InFlight: count, idle since, limit, hold ns,
-    # flood ns, answered, bulk count, last interactive hand-off, the bulk knobs) outlives a reload of either backend.
+    # (1 s) and BULK_QUEUE (2048): the shared in-flight file (overload.InFlight) outlives a reload of either backend.
     (door,) = Path("/dev/shm").glob(f"triton-embed-{fault_server.pid}-*.in-flight")
-    fields = struct.unpack("<" + "q" * 11, door.read_bytes())
+    record = InFlightRecord.parse(door.read_bytes())
     knobs = {k.split('knob="')[1].split('"')[0]: v for k, v in rows.items() if k.startswith("triton_embed_admission{")}
-    assert fields[2:5] == (knobs["MAX_IN_FLIGHT"], 1_000_000_000, knobs["FLOOD_LATENCY_MS"] * 1_000_000)
-    assert fields[8:11] == (knobs["BULK_IN_FLIGHT"], 2048, knobs["BULK_TEXTS"]) and fields[2] > 0
+    assert record.max_in_flight == knobs["MAX_IN_FLIGHT"] > 0 and record.refusal_hold_ns == 1_000_000_000
+    assert record.flood_ns == knobs["FLOOD_LATENCY_MS"] * 1_000_000
+    assert (record.bulk_in_flight, record.bulk_queue, record.bulk_texts) == (
+        knobs["BULK_IN_FLIGHT"], 2048, knobs["BULK_TEXTS"]
+    )  # fmt: skip
 
 
 def stub_regions(server_pid: int) -> set[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import itertools
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from helpers import infer, scrape, text_tensor
 from triton_embed import EmbeddingClient
 from triton_embed.errors import ServerUnavailableError
+from triton_embed_protocol.overload import InFlightRecord
 from triton_embed_server.embedded import EmbeddedServer
 from tritonclient.utils import InferenceServerException
 
@@ -283,7 +283,7 @@ def test_one_text_requests_beside_a_flood_of_bulk_jobs_are_answered_within_the_s
         while not done.wait(0.01):
             with count.open("rb") as f:
                 fcntl.flock(f, fcntl.LOCK_SH)
-                bulk_in_flight.append((time.monotonic() - start, struct.unpack("<" + "q" * 11, f.read())[6]))
+                bulk_in_flight.append((time.monotonic() - start, InFlightRecord.parse(f.read()).bulk))
 
     sampler = threading.Thread(target=sample)
     sampler.start()

@@ -20,13 +20,13 @@ Used by both backends (tokenizer: :class:`Door`, :func:`admit` and :class:`BulkL
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import heapq
 import itertools
 import math
 import os
-import struct
 import threading
 import time
 from collections import deque
@@ -356,13 +356,51 @@ class Door:
         return max(math.ceil(state.limit * self.FLOOR), min(state.limit, round(per_ns * state.flood_ns)))
 
 
+class InFlightRecord(ctypes.LittleEndianStructure):
+    """The in-flight file of one model (:class:`InFlight`): 11 little-endian int64 fields, 88 bytes."""
+
+    _fields_ = (
+        ("interactive", ctypes.c_int64),  # interactive texts in flight
+        ("idle_since_ns", ctypes.c_int64),  # when the encoder last went idle (monotonic ns; 0 = executing)
+        ("max_in_flight", ctypes.c_int64),  # the encoder's MAX_IN_FLIGHT, texts
+        ("refusal_hold_ns", ctypes.c_int64),  # the encoder's REFUSAL_HOLD_MS, ns
+        ("flood_ns", ctypes.c_int64),  # the encoder's FLOOD_LATENCY_MS, ns
+        ("answered", ctypes.c_int64),  # interactive texts the encoder has counted out since the server started
+        ("bulk", ctypes.c_int64),  # bulk texts in flight
+        ("interactive_ns", ctypes.c_int64),  # when the tokenizer last handed an interactive request on (monotonic ns)
+        ("bulk_in_flight", ctypes.c_int64),  # the encoder's BULK_IN_FLIGHT, texts
+        ("bulk_queue", ctypes.c_int64),  # the encoder's BULK_QUEUE, texts
+        ("bulk_texts", ctypes.c_int64),  # the encoder's BULK_TEXTS
+    )
+
+    @classmethod
+    def parse(cls, raw: bytes) -> InFlightRecord:
+        """The record in ``raw`` (the file's bytes); all zeros where they are not one record (a new, empty file)."""
+        return cls.from_buffer_copy(raw) if len(raw) == ctypes.sizeof(cls) else cls()
+
+    def state(self) -> DoorState:
+        """The tokenizer's view of the record."""
+        return DoorState(
+            self.interactive,
+            self.max_in_flight,
+            self.refusal_hold_ns,
+            self.flood_ns,
+            self.answered,
+            self.bulk,
+            self.interactive_ns,
+            self.bulk_in_flight,
+            self.bulk_queue,
+            self.bulk_texts,
+        )
+
+
 class InFlight:
     """Texts the tokenizer handed on that the encoder has not answered yet, in a file both stubs share.
 
     The file (``/dev/shm``) is keyed by the server's process id (the stubs' parent), the model repository and the
-    ensemble, so every server on a host and every model it serves has its own; each read or change takes an
-    exclusive ``flock``. It holds the interactive and the
-    bulk texts in flight, when the encoder last went idle, when the tokenizer last handed an interactive request on,
+    ensemble, so every server on a host and every model it serves has its own; a change takes an exclusive ``flock``,
+    a read a shared one and writes nothing. It holds (:class:`InFlightRecord`) the interactive and the bulk texts in
+    flight, when the encoder last went idle, when the tokenizer last handed an interactive request on,
     the encoder's knobs (``MAX_IN_FLIGHT``, ``REFUSAL_HOLD_MS``, ``FLOOD_LATENCY_MS``, ``BULK_IN_FLIGHT``,
     ``BULK_QUEUE``, ``BULK_TEXTS``: the door's limits belong to the encoder's hardware, so they live in the encoder's
     config and reach the tokenizer here), and the interactive texts the encoder has counted out since the server
@@ -378,10 +416,6 @@ class InFlight:
 
     IDLE_NS = 100_000_000
     """An idle encoder takes a waiting request within this, ns (dynamic batcher without delay); 100 ms."""
-
-    # interactive texts, idle since (monotonic ns, 0 = executing), MAX_IN_FLIGHT, refusal hold ns, flood ns,
-    # interactive texts answered, bulk texts, last interactive hand-off ns, BULK_IN_FLIGHT, BULK_QUEUE, BULK_TEXTS
-    _FORMAT = "<" + "q" * 11
 
     def __init__(self, model_directory: str | Path, model: str) -> None:
         """Count for this stub's server, the repository holding ``model_directory`` and the ensemble ``model``.
@@ -410,60 +444,70 @@ class InFlight:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
-    def _update(self, change: Callable[[list[int], int], None], path: Path | None = None) -> list[int]:
-        fd = os.open(path or self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    @classmethod
+    def _healed(cls, record: InFlightRecord, now: int) -> InFlightRecord:
+        """``record`` with its counts at 0 where the encoder has sat idle for :data:`IDLE_NS` (never below 0)."""
+        if record.idle_since_ns and now - record.idle_since_ns > cls.IDLE_NS:
+            record.interactive = record.bulk = 0  # whatever is counted never reached it
+        record.interactive, record.bulk = max(0, record.interactive), max(0, record.bulk)
+        return record
+
+    def _update(self, change: Callable[[InFlightRecord, int], None]) -> InFlightRecord:
+        """Change the record under the file's exclusive lock: ``change(record, time.monotonic_ns())``."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            size = struct.calcsize(self._FORMAT)
-            raw = os.pread(fd, size, 0)
-            fields = list(struct.unpack(self._FORMAT, raw)) if len(raw) == size else [0] * (size // 8)
+            record = InFlightRecord.parse(os.pread(fd, ctypes.sizeof(InFlightRecord), 0))
             now = time.monotonic_ns()
-            if fields[1] and now - fields[1] > self.IDLE_NS:
-                fields[0] = fields[6] = 0  # the encoder sat idle: whatever is counted never reached it
-            change(fields, now)
-            fields[0], fields[6] = max(0, fields[0]), max(0, fields[6])
-            os.pwrite(fd, struct.pack(self._FORMAT, *fields), 0)
-            return fields
+            change(self._healed(record, now), now)
+            self._healed(record, now)
+            os.pwrite(fd, bytes(record), 0)
+            return record
         finally:
             os.close(fd)  # releases the lock
 
+    @classmethod
+    def _read(cls, path: Path) -> DoorState:
+        """The record of ``path`` under a shared lock, healed in the view only (nothing written); zeros if absent."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return InFlightRecord().state()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            raw = os.pread(fd, ctypes.sizeof(InFlightRecord), 0)
+        finally:
+            os.close(fd)
+        return cls._healed(InFlightRecord.parse(raw), time.monotonic_ns()).state()
+
     def door(self) -> DoorState:
         """The tokenizer's view; the counts read 0 when the encoder has been idle for :data:`IDLE_NS`."""
-        return self._state(self._update(lambda fields, now: None))
-
-    @staticmethod
-    def _state(f: list[int]) -> DoorState:
-        return DoorState(f[0], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10])
+        return self._read(self.path)
 
     def others(self) -> list[DoorState]:
         """The views of the other models this server serves from the same repository (:func:`capacity_share`)."""
-        states = []
-        for path in self.folder().glob(self._siblings):
-            if path != self.path:
-                with contextlib.suppress(FileNotFoundError):
-                    states.append(self._state(self._update(lambda fields, now: None, path)))
-        return states
+        return [self._read(path) for path in self.folder().glob(self._siblings) if path != self.path]
 
     def add(self, texts: int, bulk: int = 0) -> int:
         """The tokenizer handed on ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count."""
 
-        def change(fields: list[int], now: int) -> None:
-            fields[0] += texts
-            fields[6] += bulk
+        def change(record: InFlightRecord, now: int) -> None:
+            record.interactive += texts
+            record.bulk += bulk
             if texts:
-                fields[7] = now
-            if fields[1]:  # an idle encoder has IDLE_NS from now to take them
-                fields[1] = now
+                record.interactive_ns = now
+            if record.idle_since_ns:  # an idle encoder has IDLE_NS from now to take them
+                record.idle_since_ns = now
 
-        return self._update(change)[0]
+        return self._update(change).interactive
 
     def started(self) -> int:
         """The encoder began an execution: it is not idle. Returns the interactive texts in flight."""
 
-        def change(fields: list[int], now: int) -> None:
-            fields[1] = 0
+        def change(record: InFlightRecord, now: int) -> None:
+            record.idle_since_ns = 0
 
-        return self._update(change)[0]
+        return self._update(change).interactive
 
     def answered(self, texts: int, bulk: int = 0, *, idle: bool = True, limits: tuple[int, int] | None = None) -> int:
         """The encoder answered ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count.
@@ -476,16 +520,16 @@ class InFlight:
                 None: keep the ones written.
         """
 
-        def change(fields: list[int], now: int) -> None:
-            fields[0] -= texts
-            fields[5] += texts
-            fields[6] -= bulk
+        def change(record: InFlightRecord, now: int) -> None:
+            record.interactive -= texts
+            record.answered += texts
+            record.bulk -= bulk
             if idle:
-                fields[1] = now
+                record.idle_since_ns = now
             if limits is not None:
-                fields[2], fields[8] = limits
+                record.max_in_flight, record.bulk_in_flight = limits
 
-        return self._update(change)[0]
+        return self._update(change).interactive
 
     def reset(self, limit: int | None = None, hold_ns: int | None = None, flood_ns: int | None = None,
               bulk: tuple[int, int, int] | None = None) -> None:  # fmt: skip
@@ -498,13 +542,13 @@ class InFlight:
             bulk: the encoder's ``BULK_IN_FLIGHT``, ``BULK_QUEUE`` and ``BULK_TEXTS`` (None: keep the ones written).
         """
 
-        def change(fields: list[int], now: int) -> None:
-            fields[0], fields[1], fields[6] = 0, now, 0
-            for k, value in ((2, limit), (3, hold_ns), (4, flood_ns)):
+        def change(record: InFlightRecord, now: int) -> None:
+            record.interactive, record.idle_since_ns, record.bulk = 0, now, 0
+            for name, value in (("max_in_flight", limit), ("refusal_hold_ns", hold_ns), ("flood_ns", flood_ns)):
                 if value is not None:
-                    fields[k] = value
+                    setattr(record, name, value)
             if bulk is not None:
-                fields[8:11] = bulk
+                record.bulk_in_flight, record.bulk_queue, record.bulk_texts = bulk
 
         self._update(change)
         for stale in self.files():

@@ -14,6 +14,7 @@ from triton_embed_protocol.overload import (
     Door,
     DoorState,
     InFlight,
+    InFlightRecord,
     RefusalHold,
     admit,
     capacity_share,
@@ -216,6 +217,7 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itsel
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
         assert encoder.door()[0] == 5 and elsewhere.door()[0] == 0  # another repository (or server) has its own
+        beside.reset()  # its backends loaded: a model without a file is not among the others
         assert beside.door()[0] == 0  # and so has another model, which sees this one's among the others
         assert [o.count for o in beside.others()] == [5] and [o.count for o in tokenizer.others()] == [0]
         assert elsewhere.others() == []
@@ -223,6 +225,7 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itsel
         assert tokenizer.door()[0] == 2  # the encoder went idle just now: the two may still reach it
         time.sleep(0.15)
         assert tokenizer.door()[0] == 0  # idle for 100 ms: they never will (a direct call of the tokenizer)
+        assert InFlightRecord.parse(encoder.path.read_bytes()).interactive == 2  # a read writes nothing
         tokenizer.add(3)  # handed on to an encoder idle for long: it has 100 ms from now to take them
         encoder.started()
         assert encoder.door()[0] == 3
