@@ -197,7 +197,7 @@ class TritonPythonModel:
                 "model-export step), which sets both"
             )
         torch.set_num_threads(threads)
-        self.cores = CoreShare(threads)
+        self.cores = CoreShare(threads) if args.get("model_instance_kind") != "GPU" else None
         self._threads_now = threads
 
         if args.get("model_instance_kind") == "GPU":
@@ -226,7 +226,8 @@ class TritonPythonModel:
                 f"{args['model_name']} (instance {args['model_instance_name']}): {line}"
             ),
         )
-        with timing_alone() as waited:  # timed beside another encoder's warmup, executions read 2-3x slow
+        lock = f"cuda{device.index}" if device.type == "cuda" else "cpu"
+        with timing_alone(lock) as waited:  # timed beside another encoder's warmup, executions read 2-3x slow
             self.runner.warmup()
             self._admit(args, params, bulk_queue, waited)
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
@@ -262,7 +263,11 @@ class TritonPythonModel:
         self._published = time.monotonic()
         pb_utils.Logger.log_info(
             f"{name}: admission {self.limits.describe()}; service curve at {tokens} tokens a text, "
-            + ("timed without the host's timing lock (busy): " if waited is None else "timed alone on the host: ")
+            + (
+                "timed without the timing lock (held too long, or no lock file): "
+                if waited is None
+                else "timed alone on the host: "
+            )
             + ", ".join(f"{rows} in {seconds * 1000:.1f} ms" for rows, seconds in curve.table())
         )
         self.refusals = RefusalHold()
@@ -292,21 +297,34 @@ class TritonPythonModel:
         tokenizer counted in flight are counted out, whatever happens.
         """
         started = time.perf_counter()
-        threads = self.cores.threads_now(self.in_flight.others(), time.monotonic_ns())
-        if threads != self._threads_now:  # the other models of this server that are busy share the cores
-            torch.set_num_threads(threads)
-            self._threads_now = threads
         self.admission.started(self.in_flight.started())
         self._owed: list[int] | None = [
             len(requests),
             0,
         ]  # until the stamps are read (counting out too many only reads low)
         self._rows = 0
+        self._share_cores()
         try:
             self._execute(requests)
         finally:
             self._count_out()
             self.admission.curve.observe(self._rows, time.perf_counter() - started)
+
+    def _share_cores(self) -> None:
+        """On a CPU, run torch with this model's part of the cores among its server's busy models (``CoreShare``).
+
+        A file of another model that cannot be read leaves the threads as they are.
+        """
+        if self.cores is None:
+            return
+        try:
+            others = self.in_flight.others()
+        except OSError:
+            return
+        threads = self.cores.threads_now(others, time.monotonic_ns())
+        if threads != self._threads_now:
+            torch.set_num_threads(threads)
+            self._threads_now = threads
 
     def _count_out(self) -> None:
         """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.

@@ -18,7 +18,8 @@ that curve, seconds per execution by rows, :class:`Admission` sets the door and 
 - ``SERVED_P99_MS``: :data:`FEEDBACK_SHARE` of ``SLA_MS``, the p99 time in the service that :class:`ServedLatency`
   steers admitted requests to by scaling the door (0: the door follows the curve alone).
 
-A number in the config pins a knob; ``auto`` (the shipped value) derives it. Pure Python, no torch, no Triton:
+A number in the config pins a knob; ``auto`` (the shipped value) derives it. Pure Python (and one lock file for the
+load-time timing, :func:`timing_alone`), no torch, no Triton:
 tests/unit/test_capacity.py.
 """
 
@@ -32,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from triton_embed_protocol import shared_folder
 
@@ -86,28 +88,39 @@ the budget: with so few in flight the encoder's own queue is not what makes the 
 lower the throughput (a flood's refusals and the frontend take the time then, docs/overload.md)."""
 
 
-TIMING_WAIT_S = 300.0
-"""The longest an encoder waits for the host's timing lock (:func:`timing_alone`) before it times anyway, s."""
+TIMING_WAIT_S = 60.0
+"""The longest an encoder waits for its timing lock (:func:`timing_alone`) before it times anyway, s (well within
+the embedded server's wait for ready)."""
 
 
 @contextlib.contextmanager
-def timing_alone(wait_s: float = TIMING_WAIT_S) -> Iterator[float | None]:
-    """Hold the host's timing lock: encoders warm up and time their executions at load one at a time.
+def timing_alone(
+    device: str = "cpu", *, wait_s: float = TIMING_WAIT_S, path: Path | None = None
+) -> Iterator[float | None]:
+    """Hold the timing lock of ``device``: encoders on it warm up and time their executions at load one at a time.
 
     Triton loads the models of a repository in parallel, and every encoder on the host shares its cores: timed beside
     another encoder's warmup, an execution takes two to three times as long, and a door sized from that refuses what
     the machine serves (docs/benchmarks.md, "Idle models beside the busy one"). The lock is an exclusive ``flock``
-    on one file in ``/dev/shm`` (the temp folder without it), so it spans every server on the host and is released
-    when its holder exits, a crashed one included.
+    on one file per device and user in ``/dev/shm`` (the temp folder without it), so it spans every server of the
+    user on the host and is released when its holder exits, a crashed one included. Encoders on different GPUs do not
+    wait for each other.
 
     Args:
+        device: what the encoder computes on (``"cpu"``, ``"cuda0"``, ...): one lock each.
         wait_s: the longest to wait for the lock, s; past it the body runs without it.
+        path: the lock file (None: the shared folder's, by device and user).
 
     Yields:
-        Seconds waited for the lock, or None where it was not taken within ``wait_s``.
+        Seconds waited for the lock, or None where it was not taken (held past ``wait_s``, or the file cannot be
+        opened).
     """
-    path = shared_folder() / "triton-embed-timing.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    path = path or shared_folder() / f"triton-embed-timing-{os.getuid()}-{device}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield None
+        return
     start = time.monotonic()
     try:
         while True:

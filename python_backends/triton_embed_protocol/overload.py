@@ -240,9 +240,12 @@ class CoreShare:
     OpenMP threads each want every core take them from each other, spinning (OpenMP's default wait policy: 7-11
     answers/s each at p99 1-1.5 s on 2 cores) or waking up for every parallel region (``OMP_WAIT_POLICY=PASSIVE``:
     about 15% less throughput for a model served alone or beside idle ones). One busy model keeps every core;
-    docs/benchmarks.md, "Several models on one CPU". A model counts as busy for :data:`HOLD_NS` after it was last
-    seen with texts in flight, so that the split does not flip between the gaps of a steady load (each flip from
-    every core to a part leaves an OpenMP thread spinning on a core another model needs). One per encoder instance.
+    docs/benchmarks.md, "Several models on one CPU". The others are the models served from the same repository by the
+    same server (:meth:`InFlight.others`); instances of one model share one count and each takes every core. Once
+    none of the others is busy, the last count of busy ones stays for :data:`HOLD_NS`, so that the split does not flip
+    in the gaps of a steady load (each flip from every core to a part leaves an OpenMP thread spinning on a core
+    another model needs); a count that rises or falls to another non-zero value applies at once. One per encoder
+    instance on a CPU.
     """
 
     HOLD_NS = 1_000_000_000

@@ -232,22 +232,25 @@ def test_a_door_of_one_timed_on_busy_cores_opens_while_its_answers_come_back_fas
     assert doors == sorted(doors) and doors[1] == 2 and doors[-1] == 4  # up to the factor's cap on the curve's door
 
 
-def test_encoders_time_their_executions_one_at_a_time_on_a_host():
+def test_encoders_time_their_executions_one_at_a_time_on_a_host(tmp_path):
     """A second process's timing waits for the first to finish (the lock spans processes, as stubs are)."""
+    lock = tmp_path / "timing.lock"
     holder = (
-        "import sys, time\n"
+        "import pathlib, sys, time\n"
         "from triton_embed_protocol.capacity import timing_alone\n"
-        "with timing_alone() as waited:\n"
+        "with timing_alone(path=pathlib.Path(sys.argv[1])) as waited:\n"
         "    print('held', flush=True)\n"
         "    time.sleep(1.0)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True, env=env) as first:
+    with subprocess.Popen([sys.executable, "-c", holder, lock], stdout=subprocess.PIPE, text=True, env=env) as first:
         assert first.stdout.readline().strip() == "held"
-        with timing_alone(wait_s=0.2) as waited:
+        with timing_alone(path=lock, wait_s=0.2) as waited:
             assert waited is None  # still held: past wait_s the body runs without the lock
         start = time.monotonic()
-        with timing_alone() as waited:
+        with timing_alone(path=lock) as waited:
             assert waited is not None and 0.3 < waited < 5
             assert time.monotonic() - start == pytest.approx(waited, abs=0.1)
         assert first.wait(timeout=10) == 0
+    with timing_alone(path=tmp_path / "no such folder" / "timing.lock") as waited:
+        assert waited is None  # a lock file that cannot be made: the timing runs without it

@@ -217,8 +217,9 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itsel
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
         assert encoder.door()[0] == 5 and elsewhere.door()[0] == 0  # another repository (or server) has its own
-        beside.reset()  # its backends loaded: a model without a file is not among the others
-        assert beside.door()[0] == 0  # and so has another model, which sees this one's among the others
+        assert tokenizer.others() == []  # a model whose backends have not loaded has no file
+        beside.reset()  # its backends loaded
+        assert beside.door()[0] == 0 and encoder.door()[0] == 5  # another model has its own count
         assert [o.count for o in beside.others()] == [5] and [o.count for o in tokenizer.others()] == [0]
         assert elsewhere.others() == []
         assert encoder.answered(3) == 2
