@@ -37,11 +37,16 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     }
     assert results["systems"]["infinity"]["min_cosine"] > 0.9999  # the peer serves the same model at fp32
     assert results["systems"]["triton-auto"]["precision"] in ("bf16", "fp32")  # by the CPU: the gate may say fp32
+    table = (tmp_path / "out" / "bench.md").read_text()
     for name, data in results["systems"].items():
         assert [lv["concurrency"] for lv in data["levels"]][0] == 1, name  # the sweep may stop early past the SLA
-        assert all(lv["requests"] > 0 and lv["errors"] == 0 for lv in data["levels"]), name
+        assert all(lv["requests"] > 0 for lv in data["levels"]) and data["levels"][0]["errors"] == 0, name
+        failed = [lv for lv in data["levels"] if lv["errors"]]
+        if name != "triton-fixed128":
+            assert not failed, name
+        elif failed:  # padded to 128 tokens, its own door may admit 1-2 texts on a slow CPU: it refuses, and says so
+            assert f"{name}: requests failed ({failed[0]['errors']} at concurrency {failed[0]['concurrency']}" in table
     assert results["ceiling"]["throughput"] > 0
-    table = (tmp_path / "out" / "bench.md").read_text()
     assert "| triton-buckets |" in table and "| gateway |" in table and "| infinity |" in table
     assert "x ceiling" in table and "x infinity" in table
     sizes = results["systems"]["gateway"]["response_bytes"]
