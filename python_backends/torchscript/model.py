@@ -197,14 +197,13 @@ class TritonPythonModel:
                 "model-export step), which sets both"
             )
         torch.set_num_threads(threads)
-        self.cores = CoreShare(threads) if args.get("model_instance_kind") != "GPU" else None
-        self._threads_now = threads
 
         if args.get("model_instance_kind") == "GPU":
             device = torch.device("cuda", int(args["model_instance_device_id"]))
             torch.cuda.set_device(device)  # this instance's stub process works on its own GPU only
         else:
             device = torch.device("cpu")
+        self.cores = CoreShare(threads) if device.type == "cpu" else None
         try:
             settings = settings_from_model_config(self.model_config, max_seq_length=self.max_seq_length)
         except BucketConfigError as exc:
@@ -322,9 +321,8 @@ class TritonPythonModel:
         except OSError:
             return
         threads = self.cores.threads_now(others, time.monotonic_ns())
-        if threads != self._threads_now:
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-            self._threads_now = threads
 
     def _count_out(self) -> None:
         """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
