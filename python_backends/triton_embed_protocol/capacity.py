@@ -72,8 +72,10 @@ frontend, the ensemble and the tokenizer add to that on a busy machine (docs/ben
 FEEDBACK_PERIOD_S = 0.5
 """:class:`ServedLatency` moves the door at most this often, by the p99 of the answers since it last moved, s."""
 
-FEEDBACK_MIN_SAMPLES = 50
-"""Answers a period needs before their p99 moves the door (fewer: the period goes on)."""
+FEEDBACK_MIN_SAMPLES = 200
+"""Answers a period needs before their p99 moves the door (fewer: the period goes on). The p99 of 200 answers is the
+second slowest; of 100 or fewer it is the slowest, and one stalled execution would halve the door (docs/benchmarks.md,
+"The door under load follows the served p99")."""
 
 FEEDBACK_IDLE_S = 5.0
 """After this long without an answer :class:`ServedLatency` forgets its factor: a flood that is over says nothing of

@@ -160,7 +160,9 @@ def test_an_execution_served_slower_than_proportion_is_cut_too():
     assert dict(curve.table(now=0))[64] == pytest.approx(2 * 0.067)
 
 
-def serve_period(admission: Admission, now: float, *, ms: float, in_flight: int, answers: int = 100) -> int:
+def serve_period(
+    admission: Admission, now: float, *, ms: float, in_flight: int, answers: int = FEEDBACK_MIN_SAMPLES
+) -> int:
     """One feedback period: ``answers`` admitted requests each ``ms`` in the service, ``in_flight`` at their starts;
     returns the door in force at ``now`` (``time.monotonic()`` clock)."""
     for _ in range(answers):
