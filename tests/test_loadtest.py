@@ -19,8 +19,10 @@ from loadtest.report import TRITON_FAILURE_COUNTS
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 SLOW_QUEUE_DELAY_US = 400_000  # far above the 200 ms SLA: every lone request waits this long for a batch
-GATE_SLA_MS = 1000  # the short run's gate: met by any working server on busy CI cores, where 4 users' p99 passes
+GATE_SLA_MS = 1000  # the short run's gate: met by any working server on busy CI cores, where these users' p99 passes
 # 200 ms on a slow day; the 200 ms SLA itself is measured by make loadtest (docs/benchmarks.md)
+USERS = 3  # under a 2-core CPU's capacity at fp32 (make capacity: 4 users, where the door refuses an 8-text request
+# now and then): the short run checks the gate and the report, make loadtest and make capacity measure the machine
 RUN_S = 12  # the short run: Locust's ramp (~1 s) and its 3 s warm-up leave ~8 s in the gate's window
 
 
@@ -45,7 +47,7 @@ def ensemble_requests(http_url: str) -> int:
     return int(stats["inference_stats"]["success"]["count"]) + failures
 
 
-def locust(srv, folder: Path, *args: str, users: int = 4, seconds: int = RUN_S):
+def locust(srv, folder: Path, *args: str, users: int = USERS, seconds: int = RUN_S):
     """Run Locust headless against ``srv``; returns (completed process, report.json or None, Locust's request total)."""
     command = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
@@ -121,12 +123,12 @@ def test_stage_breakdown_is_plausible(grpc_run):
 
 
 def test_grpc_users_do_not_block_the_event_loop(grpc_run):
-    """Little's law: with 4 users, requests in flight = throughput x mean latency must be near 4, not 1."""
+    """Little's law: with USERS users, requests in flight = throughput x mean latency must be near USERS, not 1."""
     _, report, _, _, _ = grpc_run
     gate = report["gate"]
     x1 = next(r for r in report["requests"] if r["name"] == "embed x1")
     in_flight = gate["throughput_rps"] * x1["p50_ms"] / 1000
-    assert in_flight > 2.0, f"{in_flight:.2f} requests in flight with 4 users: gRPC calls block gevent"
+    assert in_flight > USERS / 2, f"{in_flight:.2f} requests in flight with {USERS} users: gRPC calls block gevent"
 
 
 def test_impossible_sla_fails_and_http_users_keep_up_with_grpc(server, grpc_run, tmp_path):
