@@ -185,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    from triton_embed_protocol.cpu import usable_cores
     from triton_embed_server.embedded import EmbeddedServer
 
     from bench.perf_data import unique_texts
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()[0]  # the server it starts inherits this process's affinity and cgroup
     tool = args.tool
     if tool == "auto":
         tool = "perf_analyzer" if perf_analyzer_path() else "client"

@@ -3,7 +3,8 @@
 A faster machine is stood in for by a tiny model (a 2-layer, width-32 BERT): the door it measures is wider than a
 2-core machine's knee with all-MiniLM-L6-v2, and a closed loop of one-text clients past that width is never refused.
 A slower one is the server held to one CPU core (its stubs inherit the affinity): under clients that retry at once
-the accepted p99 stays within the SLA and the goodput near the best the machine gives.
+the accepted p99 stays within the SLA and the goodput near the best the machine gives. A container's CPU limit is
+stood in for by a cgroup with a CPU quota the server starts in: the encoder runs one torch thread per CPU of it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import contextlib
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
-from helpers import scrape
+from helpers import infer, scrape, text_tensor
 from small_models import repository_for, small_sentence_transformer
 from test_overload import closed_loop
+from triton_embed_protocol.cpu import usable_cores
 from triton_embed_server.embedded import EmbeddedServer
 
 from bench.overload import no_backoff_loop
@@ -65,8 +68,11 @@ def fast_server(tmp_path_factory):
 
 def test_a_faster_machine_measures_a_wider_door_and_a_loop_past_the_old_one_is_never_refused(fast_server):
     knobs = admission(fast_server)
-    print(knobs, load_time_door(fast_server.config.log_file.read_text()))
+    log = fast_server.config.log_file.read_text()
+    print(knobs, load_time_door(log))
     assert knobs["SLA_MS"] == SLA_MS and knobs["MAX_IN_FLIGHT"] > 96
+    cores, how = usable_cores()  # the test's own cgroup and affinity, which the server inherited
+    assert f"torch threads {cores} ({how})" in log
     answers, errors = closed_loop(fast_server.grpc_url, texts("fast"), clients=96, seconds=5)
     assert answers >= 96 and errors == [], errors[:3]
 
@@ -95,3 +101,75 @@ def test_a_slower_machine_keeps_the_accepted_p99_within_the_sla_past_its_door(tm
     assert flood.p99_ms <= SLA_MS
     # generous for a noisy CI on 2 cores shared with the clients; docs/benchmarks.md carries the figure (0.81-1.13x)
     assert flood.ok_per_s >= 0.7 * best.ok_per_s
+
+
+def cgroup_cpu_folder() -> tuple[Path, str, bool] | None:
+    """Where this process's cgroup for the cpu controller is: (mount, path of this process, v2); None: no controller."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hierarchy, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(",") and Path("/sys/fs/cgroup", controllers, "cpu.cfs_quota_us").is_file():
+            return Path("/sys/fs/cgroup", controllers), path, False
+        if hierarchy == "0" and not controllers and "cpu" in Path("/sys/fs/cgroup/cgroup.controllers").read_text():
+            return Path("/sys/fs/cgroup"), path, True
+    return None
+
+
+@contextlib.contextmanager
+def in_cpu_quota(cpus: float):
+    """Yields a function whose context starts processes under a cgroup CPU quota of ``cpus`` (a container's CPU
+    limit): they inherit the cgroup, and this process goes back to its own after. The cgroup is removed at the end,
+    once its processes have exited. Skips where the cgroup cannot be made (no cpu controller, not root)."""
+    found = cgroup_cpu_folder()
+    if found is None:
+        pytest.skip("no cgroup cpu controller here: a CPU quota cannot be set")
+    mount, own, v2 = found
+    folder = mount / own.strip("/") / f"triton-embed-test-{os.getpid()}"
+    try:
+        folder.mkdir()
+        if v2:
+            (folder / "cpu.max").write_text(f"{int(cpus * 100_000)} 100000")
+        else:
+            (folder / "cpu.cfs_period_us").write_text("100000")
+            (folder / "cpu.cfs_quota_us").write_text(str(int(cpus * 100_000)))
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup with a CPU quota in {mount / own.strip('/')} ({exc}): needs root")
+
+    @contextlib.contextmanager
+    def joined():
+        (folder / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield
+        finally:
+            (mount / own.strip("/") / "cgroup.procs").write_text(str(os.getpid()))
+
+    try:
+        yield joined
+    finally:
+        for _ in range(50):  # the server's processes leave the cgroup as they exit
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+                break
+            time.sleep(0.1)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: a 1-CPU quota on one changes nothing")
+def test_a_cpu_quota_gives_the_encoder_one_torch_thread_per_cpu_it_may_use(tmp_path):
+    """Kubernetes ``limits: {cpu: 1}`` on a larger node: a thread per core of the affinity would burn the quota in part
+    of each period and wait out the rest (docs/benchmarks.md, "Cores under a CPU quota")."""
+    repo = repository_for(small_sentence_transformer(tmp_path / "st", 32), tmp_path / "repo")
+    with in_cpu_quota(1) as joined:
+        with joined():
+            server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
+                                    log_file=tmp_path / "log")  # fmt: skip
+            server.start()
+        try:
+            server.wait_ready(timeout_s=240)
+            answer = infer(server.grpc_url, "embed", {"TEXT": text_tensor(["under a CPU limit"])}, ["EMBEDDING"])
+        finally:
+            server.stop()
+    log = (tmp_path / "log").read_text()
+    cores = len(os.sched_getaffinity(0))
+    assert f"torch threads 1 (1 of the {cores} cores of the CPU affinity: a CPU quota of 1 CPU (" in log, [
+        line for line in log.splitlines() if "torch threads" in line
+    ]
+    assert answer["EMBEDDING"].shape == (1, 32)

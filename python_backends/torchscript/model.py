@@ -67,6 +67,7 @@ from triton_embed_protocol.capacity import (
     grid,
     timing_alone,
 )
+from triton_embed_protocol.cpu import usable_cores
 from triton_embed_protocol.metric_lifetime import keep
 from triton_embed_protocol.overload import (
     METRIC,
@@ -169,7 +170,10 @@ class TritonPythonModel:
     """Encoder step of the ``embed`` ensemble."""
 
     def initialize(self, args: dict) -> None:
-        """Load the TorchScript module and export limits; set torch's thread count from ``TORCH_NUM_THREADS``."""
+        """Load the TorchScript module, time it and export the limits.
+
+        Torch threads: ``TORCH_NUM_THREADS``; 0 (shipped) = the cores it may use (``cpu.usable_cores``).
+        """
         self.model_config = json.loads(args["model_config"])
         version_dir = Path(args["model_repository"]) / args["model_version"]
         module_path, manifest_path = version_dir / "model.pt", version_dir / "export.json"
@@ -182,7 +186,7 @@ class TritonPythonModel:
 
         params = config_parameters(self.model_config)
         try:
-            threads = config_number(params, "TORCH_NUM_THREADS", "0", integer=True) or len(os.sched_getaffinity(0))
+            threads = config_number(params, "TORCH_NUM_THREADS", "0", integer=True)
             self.latency_budget_ms = config_number(params, "LATENCY_BUDGET_MS", "0")
             self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
             bulk_queue = config_number(params, "BULK_QUEUE", "0", integer=True)
@@ -196,6 +200,7 @@ class TritonPythonModel:
                 f"{precision!r} ({manifest_path.name}): export again (make model; compose and Kubernetes: the "
                 "model-export step), which sets both"
             )
+        threads, threads_how = (threads, "TORCH_NUM_THREADS in the config") if threads else usable_cores()
         torch.set_num_threads(threads)
 
         if args.get("model_instance_kind") == "GPU":
@@ -214,6 +219,7 @@ class TritonPythonModel:
             f"{precision} ({manifest.get('precision_reason', 'fp32')}; min cosine to fp32 sentence-transformers "
             f"{manifest.get('min_cosine', 1.0):.7f}), {manifest.get('attention', '?')} attention, "
             f"dim {manifest['dim']}, max_seq_length {self.max_seq_length}, on {device}"
+            + (f", torch threads {threads} ({threads_how})" if device.type == "cpu" else "")
         )
         self._metrics = _BucketMetrics(args["model_name"])
         self.runner = BucketedRunner(
@@ -322,7 +328,8 @@ class TritonPythonModel:
             return
         threads = self.cores.threads_now(others, time.monotonic_ns())
         if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+            threads, threads_how = (threads, "TORCH_NUM_THREADS in the config") if threads else usable_cores()
+        torch.set_num_threads(threads)
 
     def _count_out(self) -> None:
         """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
