@@ -109,7 +109,8 @@ def cgroup_cpu_folder() -> tuple[Path, str, bool] | None:
         hierarchy, controllers, path = line.split(":", 2)
         if "cpu" in controllers.split(",") and Path("/sys/fs/cgroup", controllers, "cpu.cfs_quota_us").is_file():
             return Path("/sys/fs/cgroup", controllers), path, False
-        if hierarchy == "0" and not controllers and "cpu" in Path("/sys/fs/cgroup/cgroup.controllers").read_text():
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        if hierarchy == "0" and not controllers and v2.is_file() and "cpu" in v2.read_text().split():
             return Path("/sys/fs/cgroup"), path, True
     return None
 
@@ -123,7 +124,9 @@ def in_cpu_quota(cpus: float):
     if found is None:
         pytest.skip("no cgroup cpu controller here: a CPU quota cannot be set")
     mount, own, v2 = found
-    folder = mount / own.strip("/") / f"triton-embed-test-{os.getpid()}"
+    home = mount / own.strip("/")  # this process's cgroup; a container's mount shows it at its root
+    home = home if home.is_dir() else mount
+    folder = home / f"triton-embed-test-{os.getpid()}"
     try:
         folder.mkdir()
         if v2:
@@ -132,7 +135,7 @@ def in_cpu_quota(cpus: float):
             (folder / "cpu.cfs_period_us").write_text("100000")
             (folder / "cpu.cfs_quota_us").write_text(str(int(cpus * 100_000)))
     except OSError as exc:
-        pytest.skip(f"cannot make a cgroup with a CPU quota in {mount / own.strip('/')} ({exc}): needs root")
+        pytest.skip(f"cannot make a cgroup with a CPU quota in {home} ({exc}): needs root")
 
     @contextlib.contextmanager
     def joined():
@@ -140,7 +143,7 @@ def in_cpu_quota(cpus: float):
         try:
             yield
         finally:
-            (mount / own.strip("/") / "cgroup.procs").write_text(str(os.getpid()))
+            (home / "cgroup.procs").write_text(str(os.getpid()))
 
     try:
         yield joined
