@@ -135,6 +135,8 @@ def in_cpu_quota(cpus: float):
             (folder / "cpu.cfs_period_us").write_text("100000")
             (folder / "cpu.cfs_quota_us").write_text(str(int(cpus * 100_000)))
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
         pytest.skip(f"cannot make a cgroup with a CPU quota in {home} ({exc}): needs root")
 
     @contextlib.contextmanager
