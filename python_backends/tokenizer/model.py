@@ -315,10 +315,10 @@ class TritonPythonModel:
             return set(), bulk, state
         lane_texts = state.bulk_texts if state.bulk_in_flight else 0  # the message offers the lane where there is one
         share = capacity_share(self.in_flight.others())  # the other models of this server share the machine
-        refused = admit(state.count, limit, [texts[i] for i in interactive], max_in_flight=state.limit,
+        refused = admit(state.interactive, limit, [texts[i] for i in interactive], max_in_flight=state.max_in_flight,
                         flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts, share=share)  # fmt: skip
         for k, message in refused.items():
-            self._refuse(requests[interactive[k]], message, arrived_ns + state.hold_ns, texts[interactive[k]])
+            self._refuse(requests[interactive[k]], message, arrived_ns + state.refusal_hold_ns, texts[interactive[k]])
         if refused:
             self._shed_metric.increment(len(refused))  # once per execution: each call is a message to the server
         return {interactive[k] for k in refused}, bulk, state
@@ -450,7 +450,7 @@ class TritonPythonModel:
             if i in bulk and counted:
                 later = _later(requests[i], ids, mask, wanted)
                 if message := self.bulk_lane.offer(len(texts), later, state.bulk_queue):
-                    self._refuse(requests[i], message, arrived_ns + state.hold_ns, 0)
+                    self._refuse(requests[i], message, arrived_ns + state.refusal_hold_ns, 0)
                     lane_full += 1
                 continue
             responses[i] = _response(ids, mask, queued_ns, wanted)

@@ -229,7 +229,7 @@ def capacity_share(others: list[DoorState]) -> float:
     Args:
         others: the other models' views (:meth:`InFlight.others`); a model without a door is not counted.
     """
-    fills = [(o.count + o.bulk) / o.limit for o in others if o.limit and o.count + o.bulk]
+    fills = [(o.interactive + o.bulk) / o.max_in_flight for o in others if o.max_in_flight and o.interactive + o.bulk]
     return max(1.0 - sum(fills), 1.0 / (1 + len(fills)))
 
 
@@ -267,7 +267,7 @@ class CoreShare:
         Returns:
             ``threads`` over the busy models, this one included; at least 1.
         """
-        busy = sum(1 for o in others if o.count + o.bulk)
+        busy = sum(1 for o in others if o.interactive + o.bulk)
         if busy or now_ns - self._seen_ns >= self.HOLD_NS:
             self._busy = busy
         if busy:
@@ -285,13 +285,17 @@ def queue_full_message(waiting: int, texts: int, bulk_queue: int) -> str:
 
 
 class DoorState(NamedTuple):
-    """What the tokenizer's door and bulk lane read from :class:`InFlight`."""
+    """What the tokenizer's door and bulk lane read from :class:`InFlight`.
 
-    count: int
+    The fields of :class:`InFlightRecord` under the same names, the counts healed (:meth:`InFlight.door`), the
+    encoder's idle time left out.
+    """
+
+    interactive: int
     """interactive texts in flight (0 once the encoder has been idle for :data:`InFlight.IDLE_NS`)"""
-    limit: int
+    max_in_flight: int
     """the encoder's ``MAX_IN_FLIGHT``, texts (0 = no door)"""
-    hold_ns: int
+    refusal_hold_ns: int
     """the encoder's ``REFUSAL_HOLD_MS``, ns"""
     flood_ns: int
     """the encoder's ``FLOOD_LATENCY_MS``, ns"""
@@ -347,16 +351,17 @@ class Door:
         self._answers.append((now_ns, state.answered))
         while len(self._answers) > 1 and self._answers[1][0] <= now_ns - self.WINDOW_NS:
             self._answers.popleft()
-        if not (state.limit and state.flood_ns) or state.count + held <= state.limit:
+        if not (state.max_in_flight and state.flood_ns) or state.interactive + held <= state.max_in_flight:
             self._flood_since = None
-            return state.limit
+            return state.max_in_flight
         if self._flood_since is None:
             self._flood_since = now_ns
         if now_ns - self._flood_since < self.WINDOW_NS:
-            return state.limit  # the answers counted so far are not all from the flood yet
+            return state.max_in_flight  # the answers counted so far are not all from the flood yet
         since_ns, before = self._answers[0]
         per_ns = (state.answered - before) / max(now_ns - since_ns, 1)
-        return max(math.ceil(state.limit * self.FLOOR), min(state.limit, round(per_ns * state.flood_ns)))
+        limit = state.max_in_flight
+        return max(math.ceil(limit * self.FLOOR), min(limit, round(per_ns * state.flood_ns)))
 
 
 class InFlightRecord(ctypes.LittleEndianStructure):
@@ -382,19 +387,8 @@ class InFlightRecord(ctypes.LittleEndianStructure):
         return cls.from_buffer_copy(raw) if len(raw) == ctypes.sizeof(cls) else cls()
 
     def state(self) -> DoorState:
-        """The tokenizer's view of the record."""
-        return DoorState(
-            self.interactive,
-            self.max_in_flight,
-            self.refusal_hold_ns,
-            self.flood_ns,
-            self.answered,
-            self.bulk,
-            self.interactive_ns,
-            self.bulk_in_flight,
-            self.bulk_queue,
-            self.bulk_texts,
-        )
+        """The tokenizer's view of the record: its fields of the same names."""
+        return DoorState(*(getattr(self, name) for name in DoorState._fields))
 
 
 class InFlight:
@@ -427,18 +421,13 @@ class InFlight:
         """
         repository = Path(model_directory).resolve().parent
         key = hashlib.sha256(str(repository).encode()).hexdigest()[:12]
-        self.path = self.folder() / f"triton-embed-{os.getppid()}-{key}-{model}.in-flight"
+        self.path = shared_folder() / f"triton-embed-{os.getppid()}-{key}-{model}.in-flight"
         self._siblings = f"triton-embed-{os.getppid()}-{key}-*.in-flight"
-
-    @staticmethod
-    def folder() -> Path:
-        """Where the files live: ``/dev/shm``, or the temp folder on a host without one."""
-        return shared_folder()
 
     @classmethod
     def files(cls, server_pid: int | str = "*") -> list[Path]:
         """The files of the server with process id ``server_pid`` (``"*"``: of every server)."""
-        return list(cls.folder().glob(f"triton-embed-{server_pid}-*.in-flight"))
+        return list(shared_folder().glob(f"triton-embed-{server_pid}-*.in-flight"))
 
     @classmethod
     def remove_files(cls, server_pid: int) -> None:
@@ -489,7 +478,7 @@ class InFlight:
 
     def others(self) -> list[DoorState]:
         """The views of the other models this server serves from the same repository (:func:`capacity_share`)."""
-        return [self._read(path) for path in self.folder().glob(self._siblings) if path != self.path]
+        return [self._read(path) for path in shared_folder().glob(self._siblings) if path != self.path]
 
     def add(self, texts: int, bulk: int = 0) -> int:
         """The tokenizer handed on ``texts`` interactive and ``bulk`` bulk texts; returns the interactive count."""
@@ -638,7 +627,7 @@ class BulkLane(_Worker):
 
         Times the model's :func:`capacity_share` beside ``others`` (the other models' views).
         """
-        quiet = not state.count and (not state.interactive_ns or now_ns - state.interactive_ns > self.QUIET_NS)
+        quiet = not state.interactive and (not state.interactive_ns or now_ns - state.interactive_ns > self.QUIET_NS)
         return int(state.bulk_in_flight * (2 if quiet else 1) * capacity_share(others or []))
 
     def _run(self) -> None:

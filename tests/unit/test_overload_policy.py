@@ -154,7 +154,7 @@ S = 1_000_000_000  # ns
 
 def flood_state(count: int, answered: int) -> DoorState:
     """MAX_IN_FLIGHT 32, FLOOD_LATENCY_MS 100."""
-    return DoorState(count, limit=32, hold_ns=S, flood_ns=S // 10, answered=answered)
+    return DoorState(count, max_in_flight=32, refusal_hold_ns=S, flood_ns=S // 10, answered=answered)
 
 
 def test_the_door_stays_at_max_in_flight_until_more_than_that_have_come_for_a_second():
@@ -189,7 +189,7 @@ def test_no_door_or_no_flood_latency_keeps_the_configured_limit():
     for limit, flood_ns in ((0, S // 10), (32, 0)):
         door = Door()
         for t in range(4):
-            state = DoorState(10_000, limit=limit, hold_ns=S, flood_ns=flood_ns, answered=t)
+            state = DoorState(10_000, max_in_flight=limit, refusal_hold_ns=S, flood_ns=flood_ns, answered=t)
             assert door.limit(t * S, state, held=1000) == limit
 
 
@@ -212,7 +212,7 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itsel
         tokenizer.reset()  # a tokenizer loading keeps them
         assert tokenizer.door() == DoorState(0, 32, 1_000_000_000, 100_000_000, answered=0)
         encoder.reset(bulk=(64, 2048, 8))  # BULK_IN_FLIGHT, BULK_QUEUE, BULK_TEXTS
-        assert tokenizer.door()[-3:] == (64, 2048, 8) and tokenizer.door().limit == 32
+        assert tokenizer.door()[-3:] == (64, 2048, 8) and tokenizer.door().max_in_flight == 32
         encoder.started()  # busy: the count stands however long
         assert tokenizer.add(5) == 5
         time.sleep(0.15)
@@ -220,7 +220,7 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itsel
         assert tokenizer.others() == []  # a model whose backends have not loaded has no file
         beside.reset()  # its backends loaded
         assert beside.door()[0] == 0 and encoder.door()[0] == 5  # another model has its own count
-        assert [o.count for o in beside.others()] == [5] and [o.count for o in tokenizer.others()] == [0]
+        assert [o.interactive for o in beside.others()] == [5] and [o.interactive for o in tokenizer.others()] == [0]
         assert elsewhere.others() == []
         assert encoder.answered(3) == 2
         assert tokenizer.door()[0] == 2  # the encoder went idle just now: the two may still reach it
@@ -259,8 +259,8 @@ class FakeFlight:
 
     def add(self, texts: int, bulk: int = 0) -> int:
         with self.lock:
-            self.state = self.state._replace(count=self.state.count + texts, bulk=self.state.bulk + bulk)
-            return self.state.count
+            self.state = self.state._replace(interactive=self.state.interactive + texts, bulk=self.state.bulk + bulk)
+            return self.state.interactive
 
     def answer(self, bulk: int) -> None:
         with self.lock:
