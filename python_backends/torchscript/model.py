@@ -328,8 +328,7 @@ class TritonPythonModel:
             return
         threads = self.cores.threads_now(others, time.monotonic_ns())
         if threads != torch.get_num_threads():
-            threads, threads_how = (threads, "TORCH_NUM_THREADS in the config") if threads else usable_cores()
-        torch.set_num_threads(threads)
+            torch.set_num_threads(threads)
 
     def _count_out(self) -> None:
         """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
