@@ -159,8 +159,8 @@ def in_cpu_quota(cpus: float):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: a 1-CPU quota on one changes nothing")
 def test_a_cpu_quota_gives_the_encoder_one_torch_thread_per_cpu_it_may_use(tmp_path):
-    """Kubernetes ``limits: {cpu: 1}`` on a larger node: a thread per core of the affinity would burn the quota in part
-    of each period and wait out the rest (docs/benchmarks.md, "Cores under a CPU quota")."""
+    """Kubernetes ``limits: {cpu: 1}`` on a larger node: a thread per core of the affinity serves 0.55-0.77x the
+    answers of one thread per CPU of the quota (docs/benchmarks.md, "Cores under a CPU quota")."""
     repo = repository_for(small_sentence_transformer(tmp_path / "st", 32), tmp_path / "repo")
     with in_cpu_quota(1) as joined:
         with joined():

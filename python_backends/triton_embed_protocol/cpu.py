@@ -1,10 +1,9 @@
 """The CPU cores a backend may keep busy: its CPU affinity, capped by its cgroup's CPU quota (a container's CPU limit).
 
 Torch runs one thread per core it is given. Under a quota smaller than the affinity (Kubernetes ``limits: {cpu: 1}``
-on a larger node, ``docker run --cpus``), a thread per core of the affinity burns the quota in part of each period
-and waits out the rest: on 2 cores under a 1-CPU quota, 2 threads served 35-37 requests/s of the load test's mix
-against 58-64 with 1 (docs/benchmarks.md, "Cores under a CPU quota"). Pure Python, no torch:
-tests/unit/test_cpu.py.
+on a larger node, ``docker run --cpus``), a thread per core of the affinity serves less, later: on 2 cores under a
+1-CPU quota, 2 threads served 39-48 requests/s of the load test's mix at p99 196-212 ms, 1 thread 62-71 at 123-146
+ms (docs/benchmarks.md, "Cores under a CPU quota"). Pure Python, no torch: tests/unit/test_cpu.py.
 """
 
 from __future__ import annotations
