@@ -14,13 +14,12 @@ import contextlib
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 from helpers import infer, scrape, text_tensor
 from small_models import repository_for, small_sentence_transformer
 from test_overload import closed_loop
-from triton_embed_protocol.cpu import usable_cores
+from triton_embed_protocol.cpu import cpu_cgroups, usable_cores
 from triton_embed_server.embedded import EmbeddedServer
 
 from bench.overload import no_backoff_loop
@@ -103,27 +102,15 @@ def test_a_slower_machine_keeps_the_accepted_p99_within_the_sla_past_its_door(tm
     assert flood.ok_per_s >= 0.7 * best.ok_per_s
 
 
-def cgroup_cpu_folder() -> tuple[Path, str, bool] | None:
-    """Where this process's cgroup for the cpu controller is: (mount, path of this process, v2); None: no controller."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        hierarchy, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(",") and Path("/sys/fs/cgroup", controllers, "cpu.cfs_quota_us").is_file():
-            return Path("/sys/fs/cgroup", controllers), path, False
-        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
-        if hierarchy == "0" and not controllers and v2.is_file() and "cpu" in v2.read_text().split():
-            return Path("/sys/fs/cgroup"), path, True
-    return None
-
-
 @contextlib.contextmanager
 def in_cpu_quota(cpus: float):
     """Yields a function whose context starts processes under a cgroup CPU quota of ``cpus`` (a container's CPU
     limit): they inherit the cgroup, and this process goes back to its own after. The cgroup is removed at the end,
     once its processes have exited. Skips where the cgroup cannot be made (no cpu controller, not root)."""
-    found = cgroup_cpu_folder()
-    if found is None:
+    found = cpu_cgroups()  # where the encoder looks for its quota
+    if not found:
         pytest.skip("no cgroup cpu controller here: a CPU quota cannot be set")
-    mount, own, v2 = found
+    mount, own, v2 = found[0]
     home = mount / own.strip("/")  # this process's cgroup; a container's mount shows it at its root
     home = home if home.is_dir() else mount
     folder = home / f"triton-embed-test-{os.getpid()}"
