@@ -59,9 +59,11 @@ class Deck:
     Drawing single texts at random with replacement repeats them, and a third or more of a run's requests are then
     response-cache hits, which measure the cache, not the model (docs/benchmarks.md, "Response-cache hits"). Dealt
     from a deck, a one-text request repeats a text only after the whole corpus has been dealt (then the deck is
-    shuffled again). One deck per Locust process (gevent: no locks needed). The order follows from ``seed`` alone,
-    so a later run (a capacity search's next step) continues where an earlier one stopped by starting at its
-    ``dealt``.
+    shuffled again). A text is dealt with its words in an order of its own to the seed and the pass (:func:`reword`):
+    the same words, so the same tokens and the same work for the model, but bytes the server has not answered before,
+    so that a second run against the same server, or a pass after the deck went round, measures the model and not the
+    response cache. One deck per Locust process (gevent: no locks needed). The order follows from ``seed`` alone, so a
+    later run (a capacity search's next step) continues where an earlier one stopped by starting at its ``dealt``.
 
     Attributes:
         texts: the distinct texts, in corpus order of first appearance.
@@ -80,13 +82,14 @@ class Deck:
             raise CorpusError("no text to send")
         self.seed = random.SystemRandom().randrange(2**32) if seed is None else seed
         self._rng = random.Random(self.seed)  # noqa: S311 - ordering sentences, not secrets
-        self._order = self._shuffled()
         self.dealt = self.wraps = 0
+        self._order = self._shuffled()
         for _ in range(start):
             self.deal()
 
     def _shuffled(self) -> list[str]:
-        return self._rng.sample(self.texts, len(self.texts))
+        words = random.Random(f"{self.seed}:{self.wraps}")  # noqa: S311 - ordering words, not secrets
+        return [reword(text, words) for text in self._rng.sample(self.texts, len(self.texts))]
 
     def deal(self) -> str:
         """The next text; once all are dealt, the deck is shuffled again first (``wraps`` counts it)."""
@@ -95,3 +98,17 @@ class Deck:
             self._order = self._shuffled()
         self.dealt += 1
         return self._order.pop()
+
+
+def reword(text: str, rng: random.Random) -> str:
+    """``text`` with its space-separated words in ``rng``'s order (a text of one word comes back as it is).
+
+    The words, and so the tokens a WordPiece tokenizer makes of them, are the same (a byte-level BPE tokenizer may
+    count one more or one fewer where a word moves to or from the start): the model does the same work for a text
+    whose bytes are new to the response cache.
+    """
+    words = text.split(" ")
+    if len(words) < 2:
+        return text
+    rng.shuffle(words)
+    return " ".join(words)
