@@ -84,10 +84,12 @@ model: install
 remove-model: install
 	$(PY) -m triton_embed_server.export --repository "$(MODEL_REPOSITORY)" --remove "$(NAME)"
 
-# The packaged all-MiniLM-L6-v2 at fp32 as embed, whatever was exported before: the tests compare the served
-# embeddings with sentence-transformers' to 1e-5; the bf16 tests and bench's triton-auto export copies of their own.
+# The packaged all-MiniLM-L6-v2 at fp32 as embed, in a repository of its own (make serve's stays as exported): the
+# tests compare the served embeddings with sentence-transformers' to 1e-5 (tests/conftest.py points them at it);
+# the bf16 tests and bench's triton-auto export copies of their own.
+REFERENCE_REPOSITORY := .build/reference_repository
 reference-model: install
-	$(PY) -m triton_embed_server.export --repository "$(MODEL_REPOSITORY)" --model default --precision fp32
+	$(PY) -m triton_embed_server.export --repository "$(REFERENCE_REPOSITORY)" --model default --precision fp32
 
 serve: model
 	$(PY) -m triton_embed_server serve --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
@@ -152,7 +154,7 @@ clean:
 # gateway), then tracing's cost through the gateway: off, following load, every request (bench/tracing.py), then
 # rerank throughput (bench/rerank.py); ~14 min.
 bench: reference-model peers
-	$(PY) -m bench.run $(BENCH_ARGS)
+	TRITON_EMBED_MODEL_REPOSITORY="$(REFERENCE_REPOSITORY)" $(PY) -m bench.run $(BENCH_ARGS)
 
 # A capacity search on this machine, model and texts (CORPUS=file, one text a line; default STS-B): the encoder's
 # instances x threads, the batcher's queue delay and the bucket grid, each served and swept; the best is written into
@@ -175,7 +177,7 @@ bench-precision: install
 bench-overload: reference-model
 	@command -v wrk >/dev/null || { $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q \
 		&& $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; }
-	$(PY) -m bench.overload $(BENCH_ARGS)
+	TRITON_EMBED_MODEL_REPOSITORY="$(REFERENCE_REPOSITORY)" $(PY) -m bench.overload $(BENCH_ARGS)
 
 # Rerank throughput alone (bench/rerank.py, make bench's last table): a stand-in of ms-marco-MiniLM-L6-v2's size
 # served as a reranker, pairs/s at p99 <= 200 ms for a query with 16 and 64 documents beside in-process

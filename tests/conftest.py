@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pytest
-
-from loadtest.corpus import STS_DIR, sts_rows  # one reader of STS-B for tests, load tests and benchmarks
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The tests serve make reference-model's repository (triton_embed_server.layout.REFERENCE_REPOSITORY), never the one a
+# user exported for make serve; set before anything imports triton_embed_server.layout.
+os.environ.setdefault("TRITON_EMBED_MODEL_REPOSITORY", str(REPO_ROOT / ".build" / "reference_repository"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from loadtest.corpus import STS_DIR, sts_rows  # noqa: E402 - one reader of STS-B for tests, load tests and benchmarks
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 from helpers import running_until_ready
+from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -198,7 +199,7 @@ def sync_model_repository(
     artifacts = tmp / "artifacts"
     for rel in ("encoder/1/model.pt", "encoder/1/export.json", "tokenizer/1/tokenizer.json"):
         (artifacts / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / ".build" / "model_repository" / rel, artifacts / rel)
+        shutil.copy(DEFAULT_MODEL_REPOSITORY / rel, artifacts / rel)
     dest = tmp / "models"
     dest.mkdir()
     (dest / "left-over.pbtxt").write_text("from an older image")

@@ -12,6 +12,7 @@ import torch
 from conftest import reference_embed
 from triton_embed_server import export as exporter
 from triton_embed_server.encoder_module import device_problems
+from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +125,7 @@ def test_cli_names_what_is_wrong_with_the_model_path(tmp_path, capsys):
 
 def test_exported_module_is_device_portable():
     """The model.pt `make model` wrote holds no device constant and runs with weights and inputs on `meta`."""
-    module = torch.jit.load(str(ROOT / ".build" / "model_repository" / "encoder" / "1" / "model.pt"))
+    module = torch.jit.load(str(DEFAULT_MODEL_REPOSITORY / "encoder" / "1" / "model.pt"))
     assert device_problems(module) == []
 
 

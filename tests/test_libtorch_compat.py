@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "tests" / "libtorch-24.10.lock"
 VENV = ROOT / ".build" / "torch-2.5.0"
-MODEL = ROOT / ".build" / "model_repository" / "encoder" / "1" / "model.pt"  # make reference-model writes it
+MODEL = DEFAULT_MODEL_REPOSITORY / "encoder" / "1" / "model.pt"  # make reference-model writes it
 
 RUN = """
 import json, sys, torch

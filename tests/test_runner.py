@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backends" / "torchscript"))
@@ -20,7 +21,7 @@ GRID = BucketTable.grid(DEFAULT_BATCH_SIZES, DEFAULT_LENGTHS)
 
 @pytest.fixture(scope="module")
 def module():
-    return load_module(ROOT / ".build" / "model_repository" / "encoder" / "1" / "model.pt", torch.device("cpu"))
+    return load_module(DEFAULT_MODEL_REPOSITORY / "encoder" / "1" / "model.pt", torch.device("cpu"))
 
 
 def ragged_batch(rng, rows: int, max_len: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -99,7 +100,7 @@ def test_warmup_logs_the_buckets(module):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graph capture and replay)")
 def test_graph_replay_equals_eager_for_every_bucket(module):
     device = torch.device("cuda", 0)
-    gpu_module = load_module(ROOT / ".build" / "model_repository" / "encoder" / "1" / "model.pt", device)
+    gpu_module = load_module(DEFAULT_MODEL_REPOSITORY / "encoder" / "1" / "model.pt", device)
     runner = BucketedRunner(gpu_module, device, GraphSettings(True, GRID, False), log=lambda _: None)
     runner.warmup()
     rng = np.random.default_rng(3)

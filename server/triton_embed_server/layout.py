@@ -24,10 +24,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON_BACKENDS = REPO_ROOT / "python_backends"
 DEFAULT_BUILD_DIR = REPO_ROOT / ".build"
 TEMPLATES = REPO_ROOT / "model_repository"
+MODEL_REPOSITORY_ENV = "TRITON_EMBED_MODEL_REPOSITORY"
 """The tracked configs of one model (``embed``: the ensemble, ``tokenizer``, ``encoder``) that ``make model`` fills in
 for each model it exports."""
-DEFAULT_MODEL_REPOSITORY = DEFAULT_BUILD_DIR / "model_repository"
-"""The repository ``make model`` writes and ``make serve`` serves (git-ignored, under the build folder)."""
+REFERENCE_REPOSITORY = DEFAULT_BUILD_DIR / "reference_repository"
+"""The packaged all-MiniLM-L6-v2 at fp32, which ``make reference-model`` writes for the tests and ``make bench``: a
+repository of its own, so that they never replace the model a user exported for ``make serve``."""
+DEFAULT_MODEL_REPOSITORY = Path(os.environ.get(MODEL_REPOSITORY_ENV) or DEFAULT_BUILD_DIR / "model_repository")
+"""The repository ``make model`` writes and ``make serve`` serves (git-ignored, under the build folder);
+``$TRITON_EMBED_MODEL_REPOSITORY`` where set (the tests and ``make bench`` set it to :data:`REFERENCE_REPOSITORY`)."""
 
 
 class LayoutError(RuntimeError):
