@@ -527,7 +527,7 @@ class _BucketMetrics:
         self._padded_metric.increment(padded_tokens)
 
     def admission(self, limits: Limits, curve: ServiceCurve) -> None:
-        """Set the admission knobs' gauges (labelled ``knob`` and ``source``: pinned or measured) and the curve's."""
+        """Set the admission knobs' gauges (labelled ``knob`` and ``source``: pinned or derived) and the curve's."""
         for knob, value in limits.knobs().items():
             source = "pinned" if limits.how.get(knob, "pinned") == "pinned" else "derived"
             self._gauge(self._knobs, {"knob": knob, "source": source}).set(value)
