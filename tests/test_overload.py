@@ -239,9 +239,10 @@ def test_the_door_counts_texts_refuses_past_max_in_flight_when_due_and_bulk_wait
         for f in busy:
             assert f.result()["EMBEDDING"].shape == (64, 384)
     assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
-    assert ("128 texts are in flight and this request has 1 text; the limit is 128 texts (MAX_IN_FLIGHT in the "
-            "encoder's config; a request of more than 64 texts or with the request parameter latency_budget_ms 0 waits "
-            "in the bulk lane instead)") in caught.value.message()  # fmt: skip
+    assert ("128 texts are in flight and this request has 1 text; the limit is 128 texts (MAX_IN_FLIGHT, the "
+            "encoder's door now; `triton-embed stats` shows how it was set; a request of more than 64 texts or with "
+            "the request parameter latency_budget_ms 0 waits in the bulk lane instead)"
+            ) in caught.value.message()  # fmt: skip
     assert held_s >= HOLD_S - 0.05  # held, not answered at once
     assert bulk["EMBEDDING"].shape == (1, 384)  # waited in the lane, never refused
     assert scrape(narrow_door.metrics_url)[metric] == before + 1

@@ -156,7 +156,7 @@ def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int |
         why = (f"{share:.0%} of this model's door, the other models of this server holding the rest of the "
                "machine's; MAX_IN_FLIGHT in each encoder's config")  # fmt: skip
     elif max_in_flight is None or limit >= max_in_flight:
-        why = "MAX_IN_FLIGHT in the encoder's config"
+        why = "MAX_IN_FLIGHT, the encoder's door now; `triton-embed stats` shows how it was set"
     else:
         reason = "flood"
         why = (f"under a flood: the texts the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
