@@ -24,9 +24,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON_BACKENDS = REPO_ROOT / "python_backends"
 DEFAULT_BUILD_DIR = REPO_ROOT / ".build"
 TEMPLATES = REPO_ROOT / "model_repository"
-MODEL_REPOSITORY_ENV = "TRITON_EMBED_MODEL_REPOSITORY"
 """The tracked configs of one model (``embed``: the ensemble, ``tokenizer``, ``encoder``) that ``make model`` fills in
 for each model it exports."""
+MODEL_REPOSITORY_ENV = "TRITON_EMBED_MODEL_REPOSITORY"
+"""The environment variable that names another repository for :data:`DEFAULT_MODEL_REPOSITORY`."""
 REFERENCE_REPOSITORY = DEFAULT_BUILD_DIR / "reference_repository"
 """The packaged all-MiniLM-L6-v2 at fp32, which ``make reference-model`` writes for the tests and ``make bench``: a
 repository of its own, so that they never replace the model a user exported for ``make serve``."""
