@@ -33,6 +33,8 @@ GATEWAY_PORT ?= 8080
 # Seconds make serve waits for the model to be READY; a long max_seq_length warms up for minutes on a CPU.
 READY_TIMEOUT ?= 300
 PYTEST_ARGS ?=
+# make test: pytest-xdist workers, each on cores of its own (tests/conftest.py); default: one per core, at most 4.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))')
 # make loadtest / loadtest-ui / capacity: where the server is, which model (NAME; default embed; RERANK: a reranker
 # called beside it) and how hard to push
 # (defaults fit a 2-core machine).
@@ -97,9 +99,15 @@ serve: model
 		--model-repository "$(MODEL_REPOSITORY)"
 
 # Everything, as CI runs it: tests/unit, ruff and mypy (tests/test_lint.py), and the tests against a real server
-# (tests/test_bench.py runs make bench in miniature, Infinity included).
+# (tests/test_bench.py runs make bench in miniature, Infinity included). Two tiers: every test but the whole_machine
+# ones on TEST_WORKERS workers, each pinned to its own cores, then the whole_machine ones alone on every core. Both
+# tiers run; the target fails if either fails (pytest's 5, nothing selected, counts as passed for one tier).
 test: reference-model system-deps peers
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not whole_machine" $(PYTEST_ARGS); parallel=$$?; \
+	$(PY) -m pytest -m whole_machine $(PYTEST_ARGS); whole=$$?; \
+	echo "make test: parallel tier exit $$parallel, whole-machine tier exit $$whole"; \
+	{ [ $$parallel -eq 0 ] || [ $$parallel -eq 5 ]; } && { [ $$whole -eq 0 ] || [ $$whole -eq 5 ]; } && \
+	[ $$parallel$$whole != 55 ]
 
 # Tools the deployment tests run (tests/test_deploy.py): Debian's docker-compose 1.29 (validates docker-compose.yml
 # offline), prometheus 2.42 (promtool and the server, which the tests start themselves on a loopback port) and nginx

@@ -17,6 +17,22 @@ import pytest  # noqa: E402
 from loadtest.corpus import STS_DIR, sts_rows  # noqa: E402 - one reader of STS-B for tests, load tests and benchmarks
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (``make test``), each worker and every server it starts keep to cores of their own.
+
+    Two servers whose torch threads each want every core take them from each other at every OpenMP barrier (answers
+    slow down tens of times); one core per worker keeps each test's server, load and door measurement on a machine of
+    its own, as a user's ``taskset`` or cpuset does (``triton_embed_protocol.cpu.usable_cores`` follows it).
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and 1 < workers <= len(cores):
+        share = len(cores) // workers
+        n = int(worker[2:])
+        os.sched_setaffinity(0, cores[n * share : (n + 1) * share])
+
+
 @dataclass(frozen=True)
 class StsPair:
     """One STS Benchmark pair: gold similarity 0..5 and the two sentences."""

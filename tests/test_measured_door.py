@@ -76,6 +76,7 @@ def test_a_faster_machine_measures_a_wider_door_and_a_loop_past_the_old_one_is_n
     assert answers >= 96 and errors == [], errors[:3]
 
 
+@pytest.mark.whole_machine
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: the server on one, the clients on another"
 )
@@ -144,6 +145,7 @@ def in_cpu_quota(cpus: float):
             time.sleep(0.1)
 
 
+@pytest.mark.whole_machine
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores: a 1-CPU quota on one changes nothing")
 def test_a_cpu_quota_gives_the_encoder_one_torch_thread_per_cpu_it_may_use(tmp_path):
     """Kubernetes ``limits: {cpu: 1}`` on a larger node: a thread per core of the affinity serves 0.55-0.77x the

@@ -27,8 +27,9 @@ SLA_MS = 200  # SLA_MS as shipped
 WIDTHS = {"embed": 32, "multi": 48}  # different widths: a request routed to the wrong model cannot pass
 
 
-# First in this file: it starts its own server, and the module's two_models server must not share the 2 cores with
-# its floods (its p99 is measured against the SLA).
+# Alone on the machine (make test's whole-machine tier): two models' p99 under floods is measured against the SLA,
+# and on one core of a shared machine the two encoders' executions queue behind each other past it.
+@pytest.mark.whole_machine
 def test_one_models_flood_leaves_both_models_one_text_p99_within_the_sla(tmp_path):
     """Two all-MiniLM-L6-v2 models share the machine's cores: 24 one-text clients on each and a third client flooding
     ``embed`` with 32 more, none backing off. Each door alone is sized for the whole machine; the models share it

@@ -40,6 +40,7 @@ def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment():
     assert "count: 1" in twice and "max_queue_delay_microseconds: 0" in twice
 
 
+@pytest.mark.whole_machine
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores for two candidates")
 def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_path):
     model = small_sentence_transformer(tmp_path / "st", 32)
