@@ -27,10 +27,10 @@ def pytest_configure(config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     cores = sorted(os.sched_getaffinity(0))
-    if worker.startswith("gw") and 1 < workers <= len(cores):
-        share = len(cores) // workers
-        n = int(worker[2:])
-        os.sched_setaffinity(0, cores[n * share : (n + 1) * share])
+    if worker.startswith("gw") and workers > 1 and len(cores) > 1:
+        share = max(1, len(cores) // workers)  # more workers than cores: two of them share a core, taking turns
+        first = int(worker[2:]) * share % len(cores)
+        os.sched_setaffinity(0, cores[first : first + share])
 
 
 @dataclass(frozen=True)
