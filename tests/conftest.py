@@ -28,9 +28,9 @@ def pytest_configure(config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     cores = sorted(os.sched_getaffinity(0))
     if worker.startswith("gw") and workers > 1 and len(cores) > 1:
-        share = max(1, len(cores) // workers)  # more workers than cores: two of them share a core, taking turns
-        first = int(worker[2:]) * share % len(cores)
-        os.sched_setaffinity(0, cores[first : first + share])
+        # every workers-th core from the worker's own: each core to one worker; more workers than cores share them
+        n = int(worker[2:])
+        os.sched_setaffinity(0, cores[n % len(cores) :: workers])
 
 
 @dataclass(frozen=True)
