@@ -102,7 +102,8 @@ serve: model
 # (tests/test_bench.py runs make bench in miniature, Infinity included). Two tiers: every test but the whole_machine
 # ones on TEST_WORKERS workers, each pinned to its own cores, then the whole_machine ones alone on every core. Both
 # tiers run; the target fails if either fails (pytest's 5, nothing selected, counts as passed for one tier).
-test: reference-model system-deps peers
+test: system-deps
+	@$(MAKE) --no-print-directory -j2 reference-model peers
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not whole_machine" $(PYTEST_ARGS); parallel=$$?; \
 	$(PY) -m pytest -m whole_machine $(PYTEST_ARGS); whole=$$?; \
 	echo "make test: parallel tier exit $$parallel, whole-machine tier exit $$whole"; \
