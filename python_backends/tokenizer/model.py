@@ -31,7 +31,6 @@ both, and unlike them is part of the response cache's key.
 from __future__ import annotations
 
 import json
-import math
 import os
 import site
 import sys
@@ -68,21 +67,9 @@ from triton_embed_protocol import (
     model_of_step,
     request_parameters,
 )
+from triton_embed_protocol.admission import Sorted, TokenizerAdmission
 from triton_embed_protocol.metric_lifetime import keep
-from triton_embed_protocol.overload import (
-    METRIC,
-    METRIC_HELP,
-    BudgetError,
-    BulkLane,
-    Door,
-    DoorState,
-    InFlight,
-    RefusalHold,
-    admit,
-    capacity_share,
-    is_bulk,
-    request_budget_ms,
-)
+from triton_embed_protocol.overload import METRIC, METRIC_HELP
 
 END, START, NONE = MODES = ("END", "START", "NONE")
 
@@ -208,15 +195,13 @@ class TritonPythonModel:
                 f"config parameter MAX_SEQ_LENGTH is {configured} but {path} truncates at {self.max_tokens}: "
                 "run `make model` (it sets both)"
             )
-        self.in_flight = InFlight(args["model_repository"], model_of_step(args["model_name"]))
-        self.in_flight.reset()
-        self.door = Door()
-        self.refusals = RefusalHold()
-        self.bulk_lane = BulkLane(self.in_flight)
         self._shed_family = pb_utils.MetricFamily(
             name=METRIC, description=METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
         )
         self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
+        self.admission = TokenizerAdmission(
+            args["model_repository"], model_of_step(args["model_name"]), self._shed_metric.increment
+        )
         self.truncate = params.get("TRUNCATION", "truncate")
         if self.truncate not in ("truncate", "error"):
             raise pb_utils.TritonModelException(
@@ -276,73 +261,26 @@ class TritonPythonModel:
         The in-flight file stays: it carries the encoder's ``MAX_IN_FLIGHT``, which a reloaded tokenizer (Triton
         finalizes the old instance after the new one loaded) must still read.
         """
-        self.bulk_lane.close()
-        self.refusals.close()
+        self.admission.close()
         keep(self._shed_metric, self._shed_family)
-
-    def _refuse_at_the_door(
-        self, requests: list, parameters: list[dict], arrays: list, arrived_ns: int, errors: dict
-    ) -> tuple[set[int], set[int], DoorState]:
-        """Sort the requests into the bulk lane and the door; refuse those past ``MAX_IN_FLIGHT`` (``overload.admit``).
-
-        Args:
-            requests: this execution's requests.
-            parameters: their parsed parameters.
-            arrays: their ``TEXT`` inputs (:func:`text_array`), which give their texts.
-            arrived_ns: when this execution began (``time.monotonic_ns()``); refusals are answered
-                ``REFUSAL_HOLD_MS`` later.
-            errors: filled with the INVALID_ARG message of each request whose ``latency_budget_ms`` is bad.
-
-        Returns:
-            the indices of the refused requests, those of the bulk requests, and the in-flight state read.
-        """
-        state = self.in_flight.door()  # the counts, and the encoder's knobs
-        texts = [_text_rows(array) for array in arrays]
-        interactive: list[int] = []
-        bulk: set[int] = set()
-        for i, request_parameters_ in enumerate(parameters):
-            try:
-                request_budget_ms(request_parameters_, math.inf)
-            except BudgetError as exc:
-                errors[i] = str(exc)
-                continue
-            if is_bulk(request_parameters_, texts[i], state.bulk_in_flight, state.bulk_texts):
-                bulk.add(i)
-            else:
-                interactive.append(i)
-        limit = self.door.limit(arrived_ns, state, self.refusals.pending())
-        if not limit:
-            return set(), bulk, state
-        lane_texts = state.bulk_texts if state.bulk_in_flight else 0  # the message offers the lane where there is one
-        share = capacity_share(self.in_flight.others())  # the other models of this server share the machine
-        refused = admit(state.interactive, limit, [texts[i] for i in interactive], max_in_flight=state.max_in_flight,
-                        flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts, share=share)  # fmt: skip
-        for k, message in refused.items():
-            self._refuse(requests[interactive[k]], message, arrived_ns + state.refusal_hold_ns, texts[interactive[k]])
-        if refused:
-            self._shed_metric.increment(len(refused))  # once per execution: each call is a message to the server
-        return {interactive[k] for k in refused}, bulk, state
-
-    def _refuse(self, request, message: str, due_ns: int, weight: int) -> None:
-        """Answer ``request`` UNAVAILABLE with ``message`` at ``due_ns`` (the caller counts it in the metric)."""
-        error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
-        response = pb_utils.InferenceResponse(output_tensors=[], error=error)
-        self.refusals.hold(due_ns, _answer(request, response), weight)
 
     def execute(self, requests: list) -> None:
         """Refuse at the door past ``MAX_IN_FLIGHT``; tokenise the rest's texts in two calls at most (END/NONE, START).
 
-        Every request is answered through its response sender: at once; a bulk request when the bulk lane hands it
-        on (``overload.BulkLane``); a refusal ``REFUSAL_HOLD_MS`` after this execution began (``overload.RefusalHold``).
+        Admission (``triton_embed_protocol.admission.TokenizerAdmission``) sorts the requests into the door and the
+        bulk lane. Every request is answered through its response sender: at once; a bulk request when the bulk lane
+        hands it on; a refusal ``REFUSAL_HOLD_MS`` after this execution began.
         """
         arrived_ns = time.monotonic_ns()
         parameters = [request_parameters(request.parameters()) for request in requests]  # parsed once per request
         texts_per_request: list[list[str] | None] = []
         seconds_per_request: list[list[str] | None] = []  # a pair's second texts (TEXT_PAIR), None for single texts
         modes_per_request: list[list[str]] = []
-        errors: dict[int, str] = {}
         arrays = [text_array(request) for request in requests]  # read once: the door counts rows, decoding reads them
-        refused, bulk, state = self._refuse_at_the_door(requests, parameters, arrays, arrived_ns, errors)
+        door = self.admission.sort(
+            parameters, [_text_rows(array) for array in arrays], arrived_ns, lambda i, m: _refusal(requests[i], m)
+        )
+        errors, refused = door.errors, door.refused
         for i, request in enumerate(requests):
             texts: list[str] | None = None
             seconds: list[str] | None = None
@@ -397,8 +335,7 @@ class TritonPythonModel:
         self._encode_pairs(texts_per_request, seconds_per_request, modes_per_request, encoded, errors)
 
         pairs = {i for i, seconds in enumerate(seconds_per_request) if seconds is not None}
-        self._hand_on(requests, texts_per_request, encoded, errors=errors, refused=refused, bulk=bulk, state=state,
-                      arrived_ns=arrived_ns, pairs=pairs)  # fmt: skip
+        self._hand_on(requests, texts_per_request, encoded, door, pairs)
 
     def _encode_pairs(
         self, texts_per_request: list, seconds_per_request: list, modes_per_request: list, encoded: dict,
@@ -427,19 +364,17 @@ class TritonPythonModel:
                         f"is {self.max_tokens} (the model's max_seq_length) and truncation is off for this request"
                     )
 
-    def _hand_on(  # noqa: PLR0913 - the pieces of one execution
-        self, requests: list, texts_per_request: list, encoded: dict, *, errors: dict, refused: set[int],
-        bulk: set[int], state: DoorState, arrived_ns: int, pairs: set[int],
-    ) -> None:  # fmt: skip
+    def _hand_on(self, requests: list, texts_per_request: list, encoded: dict, door: Sorted, pairs: set[int]) -> None:
         """Answer each request not refused: its error, its tokens now, or (a bulk request) its tokens in its turn."""
         queued_ns = time.monotonic_ns()
         responses = {}
-        handed_on = lane_full = 0
+        handed_on = 0
+        bulk = {}
         for i, texts in enumerate(texts_per_request):
-            if i in refused:
+            if i in door.refused:
                 continue
-            if i in errors or texts is None:
-                error = pb_utils.TritonError(errors[i], pb_utils.TritonError.INVALID_ARG)
+            if i in door.errors or texts is None:
+                error = pb_utils.TritonError(door.errors[i], pb_utils.TritonError.INVALID_ARG)
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[], error=error)
                 continue
             encodings = [encoded[i, row] for row in range(len(texts))]
@@ -447,18 +382,13 @@ class TritonPythonModel:
             ids, mask = pad_rows([e.ids for e in encodings], self.pad_id, types)
             wanted = request_outputs(requests[i])
             counted = QUEUED in wanted  # the ensemble feeds it to the encoder
-            if i in bulk and counted:
-                later = _later(requests[i], ids, mask, wanted)
-                if message := self.bulk_lane.offer(len(texts), later, state.bulk_queue):
-                    self._refuse(requests[i], message, arrived_ns + state.refusal_hold_ns, 0)
-                    lane_full += 1
+            if i in door.bulk and counted:
+                bulk[i] = (len(texts), _later(requests[i], ids, mask, wanted))
                 continue
             responses[i] = _response(ids, mask, queued_ns, wanted)
             handed_on += len(texts) if counted else 0
-        if lane_full:
-            self._shed_metric.increment(lane_full)
-        if handed_on:
-            self.in_flight.add(handed_on)  # before the answers: the encoder's count-down must not come first
+        # before the answers: the encoder's count-down must not come first
+        self.admission.hand_on(handed_on, bulk, door, lambda i, m: _refusal(requests[i], m))
         for i, response in responses.items():
             _answer(requests[i], response)()
 
@@ -508,3 +438,9 @@ def _answer(request, response) -> Callable[[], None]:
     """A call that sends ``response`` as ``request``'s one and final response."""
     sender = request.get_response_sender()
     return lambda: sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _refusal(request, message: str) -> Callable[[], None]:
+    """A call that answers ``request`` UNAVAILABLE with ``message`` (a refusal of admission's)."""
+    error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+    return _answer(request, pb_utils.InferenceResponse(output_tensors=[], error=error))

@@ -9,12 +9,12 @@ They are validated one by one (a bad one gets its own INVALID_ARG response), mer
 :class:`runners.BucketedRunner` (padded up to a length bucket; CUDA graph replay per bucket on a GPU instance),
 and the rows are split back per request.
 
-Overload control (``triton_embed_protocol.overload``, docs/overload.md): the tokenizer stamps each request with
-``queued_ns`` as it hands it on (``time.monotonic_ns()``, one clock for every process on the host) and counts it in
-flight. At each execution the requests that have waited longer than their latency budget since that stamp (the
-request parameter ``latency_budget_ms``, else the config parameter ``LATENCY_BUDGET_MS``; 0 = none, as shipped on
-CPU) are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted in
-``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered, its texts
+Overload control (``triton_embed_protocol.admission.EncoderAdmission``, docs/overload.md): the tokenizer stamps each
+request with ``queued_ns`` as it hands it on (``time.monotonic_ns()``, one clock for every process on the host) and
+counts it in flight. At each execution the requests that have waited longer than their latency budget since that
+stamp (the request parameter ``latency_budget_ms``, else the config parameter ``LATENCY_BUDGET_MS``; 0 = none, as
+shipped on CPU) are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted
+in ``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered, its texts
 as interactive or bulk (``overload.is_bulk``, with this model's ``BULK_IN_FLIGHT`` and ``BULK_TEXTS``).
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
@@ -48,7 +48,6 @@ import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from runners import BucketedRunner, load_module
 from triton_embed_protocol import (
-    BUDGET,
     QUEUED,
     TOKENS,
     RequestError,
@@ -57,11 +56,11 @@ from triton_embed_protocol import (
     model_of_step,
     request_parameters,
 )
+from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, Ticket
 from triton_embed_protocol.capacity import (
     CURVE_GAUGE,
     KNOB_GAUGE,
     REF_TOKENS,
-    Admission,
     Limits,
     ServiceCurve,
     grid,
@@ -69,23 +68,11 @@ from triton_embed_protocol.capacity import (
 )
 from triton_embed_protocol.cpu import usable_cores
 from triton_embed_protocol.metric_lifetime import keep
-from triton_embed_protocol.overload import (
-    METRIC,
-    METRIC_HELP,
-    BudgetError,
-    CoreShare,
-    InFlight,
-    RefusalHold,
-    is_bulk,
-    request_budget_ms,
-    shed,
-)
+from triton_embed_protocol.overload import METRIC, METRIC_HELP
 
 OUTPUT = "embedding__0"
 LOGIT = "logit__0"
 """A reranker's second output, its raw logit per pair (``OUTPUT`` holds the score): declared in its config only."""
-PUBLISH_S = 5.0
-"""The service curve's gauges are set at most this often, s (the admission knobs' whenever they change)."""
 
 
 def read_request(
@@ -187,9 +174,7 @@ class TritonPythonModel:
         params = config_parameters(self.model_config)
         try:
             threads = config_number(params, "TORCH_NUM_THREADS", "0", integer=True)
-            self.latency_budget_ms = config_number(params, "LATENCY_BUDGET_MS", "0")
-            self.refusal_hold_ns = int(config_number(params, "REFUSAL_HOLD_MS", "0") * 1e6)
-            bulk_queue = config_number(params, "BULK_QUEUE", "0", integer=True)
+            settings = EncoderSettings.read(params)
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
         precision = manifest.get("precision", "fp32")
@@ -208,9 +193,8 @@ class TritonPythonModel:
             torch.cuda.set_device(device)  # this instance's stub process works on its own GPU only
         else:
             device = torch.device("cpu")
-        self.cores = CoreShare(threads) if device.type == "cpu" else None
         try:
-            settings = settings_from_model_config(self.model_config, max_seq_length=self.max_seq_length)
+            buckets = settings_from_model_config(self.model_config, max_seq_length=self.max_seq_length)
         except BucketConfigError as exc:
             raise pb_utils.TritonModelException(f"model '{args['model_name']}': {exc}") from None
         module = load_module(module_path, device)
@@ -225,7 +209,7 @@ class TritonPythonModel:
         self.runner = BucketedRunner(
             module,
             device,
-            settings,
+            buckets,
             on_execute=self._metrics.record,
             log=lambda line: pb_utils.Logger.log_info(
                 f"{args['model_name']} (instance {args['model_instance_name']}): {line}"
@@ -234,7 +218,7 @@ class TritonPythonModel:
         lock = f"cuda{device.index}" if device.type == "cuda" else "cpu"
         with timing_alone(lock) as waited:  # timed beside another encoder's warmup, executions read 2-3x slow
             self.runner.warmup()
-            self._admit(args, params, bulk_queue, waited)
+            self._admit(args, params, settings, threads if device.type == "cpu" else None, waited)
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -246,11 +230,13 @@ class TritonPythonModel:
                 "re-run `make model`, which sets the configs' dims"
             )
 
-    def _admit(self, args: dict, params: dict[str, str], bulk_queue: int, waited: float | None) -> None:
-        """Time the executions at load, derive the admission knobs (``capacity.Admission``), tell the tokenizer.
+    def _admit(
+        self, args: dict, params: dict[str, str], settings: EncoderSettings, threads: int | None, waited: float | None
+    ) -> None:
+        """Time the executions at load; admission derives its knobs from them and tells the tokenizer.
 
-        ``waited``: seconds this encoder waited for the host's timing lock (``capacity.timing_alone``; None: it
-        times without it).
+        ``threads``: torch threads to share among the busy models (None: a GPU instance). ``waited``: seconds this
+        encoder waited for the host's timing lock (``capacity.timing_alone``; None: it times without it).
 
         Raises:
             TritonModelException: a knob is neither ``auto`` nor a number >= 0.
@@ -260,29 +246,20 @@ class TritonPythonModel:
         tokens = min(REF_TOKENS, self.max_seq_length)
         curve = ServiceCurve(self.runner.time_batches(tokens, grid(max_batch)), max_batch)
         try:
-            self.admission = Admission(params, curve)
+            self.admission = EncoderAdmission(
+                args["model_repository"], model_of_step(args["model_name"]), params, settings, curve,
+                threads=threads, publish=self._metrics.admission, count_refused=self._metrics.shed,
+            )  # fmt: skip
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
-        self.limits = self.admission.limits()
-        self._metrics.admission(self.limits, curve)
-        self._published = time.monotonic()
         pb_utils.Logger.log_info(
-            f"{name}: admission {self.limits.describe()}; service curve at {tokens} tokens a text, "
+            f"{name}: admission {self.admission.limits.describe()}; service curve at {tokens} tokens a text, "
             + (
                 "timed without the timing lock (held too long, or no lock file): "
                 if waited is None
                 else "timed alone on the host: "
             )
             + ", ".join(f"{rows} in {seconds * 1000:.1f} ms" for rows, seconds in curve.table())
-        )
-        self.refusals = RefusalHold()
-        self.in_flight = InFlight(args["model_repository"], model_of_step(args["model_name"]))
-        # the tokenizer's door and bulk lane read them
-        self.in_flight.reset(
-            self.limits.max_in_flight,
-            self.refusal_hold_ns,
-            int(self.limits.flood_latency_ms * 1e6),
-            (self.limits.bulk_in_flight, bulk_queue, self.limits.bulk_texts),
         )
 
     def finalize(self) -> None:
@@ -291,88 +268,37 @@ class TritonPythonModel:
         The in-flight file stays: Triton finalizes an old instance after its replacement loaded, and the new one has
         written its ``MAX_IN_FLIGHT`` there already.
         """
-        self.refusals.close()
+        self.admission.close()
         self._metrics.close()
 
     def execute(self, requests: list) -> None:
         """Validate each request, refuse those that waited past their budget, run the rest as one batch, split the rows.
 
         Every request is answered through its response sender: at once, or a refusal when it falls due
-        (``overload.RefusalHold``), so that a held refusal never holds up the next execution. The requests the
+        (``overload.RefusalHold``), so that a held refusal never holds up the next execution. Admission
+        (``triton_embed_protocol.admission.EncoderAdmission``) begins and ends each execution: the requests the
         tokenizer counted in flight are counted out, whatever happens.
         """
         started = time.perf_counter()
-        self.admission.started(self.in_flight.started())
-        self._owed: list[int] | None = [
-            len(requests),
-            0,
-        ]  # until the stamps are read (counting out too many only reads low)
+        threads = self.admission.begin(len(requests))
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         self._rows = 0
-        self._share_cores()
         try:
             self._execute(requests)
         finally:
-            self._count_out()
-            self.admission.curve.observe(self._rows, time.perf_counter() - started)
-
-    def _share_cores(self) -> None:
-        """On a CPU, run torch with this model's part of the cores among its server's busy models (``CoreShare``).
-
-        A file of another model that cannot be read leaves the threads as they are.
-        """
-        if self.cores is None:
-            return
-        try:
-            others = self.in_flight.others()
-        except OSError:
-            return
-        threads = self.cores.threads_now(others, time.monotonic_ns())
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-
-    def _count_out(self) -> None:
-        """Count this execution's texts out of flight (``overload.InFlight``) and mark the encoder idle, once.
-
-        Also after an execution of direct callers only: an encoder never marked idle keeps strays counted for good.
-        The texts are counted out even when deriving the knobs fails (the knobs then stay as they were).
-        """
-        if self._owed is None:
-            return
-        owed, self._owed = self._owed, None
-        try:
-            limits = self.admission.limits()  # the curve and the served p99 as of the last execution
-            now = time.monotonic()
-            if limits.knobs() != self.limits.knobs() or now - self._published > PUBLISH_S:
-                self._metrics.admission(limits, self.admission.curve)
-                self._published = now
-            self.limits = limits
-        finally:
-            self.in_flight.answered(*owed, limits=(self.limits.max_in_flight, self.limits.bulk_in_flight))
-
-    def _texts_in_flight(self, texts: int | None, parameters: dict) -> tuple[int, int]:
-        """What a request counts in flight, (interactive texts, bulk texts), as the tokenizer counted it in.
-
-        ``texts``: the rows of its ``queued_ns`` (None: a direct caller, never counted in).
-        """
-        if not texts:
-            return 0, 0
-        if is_bulk(parameters, texts, self.limits.bulk_in_flight, self.limits.bulk_texts):
-            return 0, texts
-        return texts, 0
+            self.admission.end(self._rows, time.perf_counter() - started)
 
     def _execute(self, requests: list) -> None:
         """Validate -> refuse (the wait rule) -> merge -> run -> split; every request answered once."""
         now_ns = time.monotonic_ns()
         items = [self._validate(request, now_ns) for request in requests]
-        self._owed = [sum(it.counts[0] for it in items), sum(it.counts[1] for it in items)]  # direct callers: 0
-        self._refuse_late([it for it in items if it.piece is not None])
+        tickets = [it.ticket for it in items]
+        for k in self.admission.refuse_late(tickets, lambda i, message: _refusal(items[i].request, message)):
+            items[k].piece = None
         live = [it for it in items if it.piece is not None]
         embeddings = self._run([it.piece for it in live]) if live else None
-        self._count_out()
-        done_ns = time.monotonic_ns()
-        for it in live:
-            if it.counts[0]:  # an admitted interactive request: its time in the service steers the door
-                self.admission.answered((done_ns - it.stamp) / 1e6, done_ns / 1e9)
+        self.admission.served([it.ticket for it in live], time.monotonic_ns())
         row = 0
         for it in items:
             if it.piece is not None:
@@ -380,42 +306,22 @@ class TritonPythonModel:
                 outputs = self._outputs(it.request, embeddings[row : row + n])
                 row += n
                 _answer(it.request, pb_utils.InferenceResponse(output_tensors=outputs))()
-            elif it.error is not None:
-                error = pb_utils.TritonError(it.error, pb_utils.TritonError.INVALID_ARG)
+            elif it.ticket.error is not None:
+                error = pb_utils.TritonError(it.ticket.error, pb_utils.TritonError.INVALID_ARG)
                 _answer(it.request, pb_utils.InferenceResponse(output_tensors=[], error=error))()
 
     def _validate(self, request, now_ns: int) -> _Request:
-        """One request read and checked: its tokens, or its INVALID_ARG message; its wait, budget and counts."""
-        stamp = queued_stamp(request)
-        parameters = request_parameters(request.parameters())
-        item = _Request(
-            request,
-            stamp,
-            None if stamp is None else (now_ns - stamp) / 1e6,
-            self._texts_in_flight(queued_rows(request), parameters),
-            own_budget=BUDGET in parameters,
+        """One request read and checked: its tokens, or its INVALID_ARG message in its admission ticket."""
+        ticket = self.admission.ticket(
+            request_parameters(request.parameters()), queued_stamp(request), queued_rows(request), now_ns
         )
-        try:
-            item.budget_ms = request_budget_ms(parameters, self.latency_budget_ms)
-            item.piece = read_request(request, self.max_seq_length, self.vocab_size, self.mask_values)
-        except (RequestError, BudgetError) as exc:
-            item.error = str(exc)
+        item = _Request(request, ticket)
+        if ticket.error is None:
+            try:
+                item.piece = read_request(request, self.max_seq_length, self.vocab_size, self.mask_values)
+            except RequestError as exc:
+                ticket.error = str(exc)
         return item
-
-    def _refuse_late(self, live: list[_Request]) -> None:
-        """The wait rule (``overload.shed``): hold the refusal of each request that waited past its budget."""
-        refused = shed([it.waited_ms for it in live], [it.budget_ms for it in live], [it.own_budget for it in live])
-        if not refused:
-            return
-        gone = [sum(live[k].counts[j] for k in refused) for j in (0, 1)]
-        self.in_flight.answered(*gone, idle=False)  # before a refusal falls due: its client may send again at once
-        self._owed = [self._owed[0] - gone[0], self._owed[1] - gone[1]]
-        for k, message in refused.items():
-            error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
-            answer = _answer(live[k].request, pb_utils.InferenceResponse(output_tensors=[], error=error))
-            self.refusals.hold(live[k].stamp + self.refusal_hold_ns, answer)
-            live[k].piece = None
-        self._metrics.shed(len(refused))
 
     def _run(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Merge the requests' tokens into one batch and run it once: ``(rows, dim)`` of the output dtype.
@@ -450,29 +356,25 @@ class _Request:
 
     Attributes:
         request: Triton's request.
-        stamp: its ``queued_ns`` (None: a direct caller, never refused or counted).
-        waited_ms: ms since the stamp when the execution began (None without one).
-        counts: (interactive, bulk) texts it counts in flight.
-        own_budget: its budget is its own request parameter.
-        budget_ms: its latency budget, ms (0 = never refused).
+        ticket: what admission reads of it (its wait, budget and counts in flight; its INVALID_ARG message).
         piece: its (input_ids, attention_mask), int64 ``[n, T]``; None once refused or when invalid.
-        error: its INVALID_ARG message, when invalid.
     """
 
     request: object
-    stamp: int | None
-    waited_ms: float | None
-    counts: tuple[int, int]
-    own_budget: bool = False
-    budget_ms: float = 0.0
+    ticket: Ticket
     piece: tuple[np.ndarray, np.ndarray] | None = None
-    error: str | None = None
 
 
 def _answer(request, response) -> Callable[[], None]:
     """A call that sends ``response`` as ``request``'s one and final response."""
     sender = request.get_response_sender()
     return lambda: sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _refusal(request, message: str) -> Callable[[], None]:
+    """A call that answers ``request`` UNAVAILABLE with ``message`` (a refusal of admission's)."""
+    error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+    return _answer(request, pb_utils.InferenceResponse(output_tensors=[], error=error))
 
 
 class _BucketMetrics:

@@ -2,7 +2,7 @@
 
 The encoder times one execution per batch size at load (after warmup, nothing else running) and every execution it
 serves after that (:meth:`ServiceCurve.observe`: the whole ``execute``, as the queue behind it waits for it). From
-that curve, seconds per execution by rows, :class:`Admission` sets the door and the bulk lane (docs/overload.md):
+that curve, seconds per execution by rows, :class:`Knobs` sets the door and the bulk lane (docs/overload.md):
 
 - ``MAX_IN_FLIGHT``: the most texts in flight whose predicted time in the service stays within
   :data:`TARGET_SHARE` of ``SLA_MS``. With ``n`` texts in flight a new one waits for the execution running (at most
@@ -377,7 +377,7 @@ def pinned(parameters: dict[str, str], key: str, default: str, *, integer: bool 
     return value
 
 
-class Admission:
+class Knobs:
     """The admission knobs of one encoder: pinned ones as the config says, the others derived from its curve.
 
     ``BULK_TEXTS`` is fixed at load (the tokenizer and the encoder must sort a request into the same lane);

@@ -13,8 +13,8 @@ so a client that retries at once cannot send faster than the server answers.
 Nothing is refused on a prediction, and a closed loop of one-text clients up to ``MAX_IN_FLIGHT`` is never refused.
 Design and figures: docs/overload.md.
 
-Used by both backends (tokenizer: :class:`Door`, :func:`admit` and :class:`BulkLane`, encoder: :func:`shed` and
-:func:`is_bulk`); pure Python, no torch, no Triton: tests/unit/test_overload_policy.py.
+The backends reach it through :mod:`triton_embed_protocol.admission` (the tokenizer's and the encoder's side of
+admission); pure Python, no torch, no Triton: tests/unit/test_overload_policy.py.
 """
 
 from __future__ import annotations
@@ -508,7 +508,7 @@ class InFlight:
             texts: interactive texts.
             bulk: bulk texts.
             idle: the encoder's execution is over (False: it refused them and runs on).
-            limits: the encoder's ``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` now, texts (``capacity.Admission``);
+            limits: the encoder's ``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` now, texts (``capacity.Knobs``);
                 None: keep the ones written.
         """
 

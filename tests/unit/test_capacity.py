@@ -16,7 +16,7 @@ from triton_embed_protocol.capacity import (
     FEEDBACK_PERIOD_S,
     FEEDBACK_SHARE,
     TARGET_SHARE,
-    Admission,
+    Knobs,
     ServiceCurve,
     grid,
     largest_within,
@@ -50,7 +50,7 @@ def within_one_batch(fixed_ms: float, per_text_ms: float, sla_ms: float = 200) -
 
 def test_the_door_is_the_most_texts_whose_predicted_time_in_service_fits_the_target():
     curve = linear_curve(3, 2)  # 2-core-like: 3 ms + 2 ms a text
-    limits = Admission({}, curve).limits()
+    limits = Knobs({}, curve).limits()
     door = within_one_batch(3, 2)
     assert limits.max_in_flight == door
     assert time_in_service(curve, door) <= TARGET_SHARE * 0.2 < time_in_service(curve, door + 1)
@@ -59,21 +59,21 @@ def test_the_door_is_the_most_texts_whose_predicted_time_in_service_fits_the_tar
 
 
 def test_a_faster_machine_gets_a_wider_door_and_a_slower_one_a_narrower():
-    fast = Admission({}, linear_curve(1, 0.2)).limits()  # batches run whole; several batches fit the SLA
-    slow = Admission({}, linear_curve(5, 4)).limits()  # one core
-    two_core = Admission({}, linear_curve(3, 2)).limits()
+    fast = Knobs({}, linear_curve(1, 0.2)).limits()  # batches run whole; several batches fit the SLA
+    slow = Knobs({}, linear_curve(5, 4)).limits()  # one core
+    two_core = Knobs({}, linear_curve(3, 2)).limits()
     assert slow.max_in_flight < two_core.max_in_flight < fast.max_in_flight
     assert fast.max_in_flight > 64  # past one batch: it waits for whole executions ahead of it
     assert slow.max_in_flight == within_one_batch(5, 4)
 
 
 def test_the_sla_sizes_the_door():
-    tight = Admission({"SLA_MS": "100"}, linear_curve(3, 2)).limits()
+    tight = Knobs({"SLA_MS": "100"}, linear_curve(3, 2)).limits()
     assert tight.max_in_flight == within_one_batch(3, 2, sla_ms=100) and tight.flood_latency_ms == 50
 
 
 def test_a_number_pins_a_knob_and_auto_derives_it():
-    limits = Admission(
+    limits = Knobs(
         {"MAX_IN_FLIGHT": "32", "BULK_TEXTS": "8", "BULK_IN_FLIGHT": "0", "FLOOD_LATENCY_MS": "10"},
         linear_curve(2, 2),
     ).limits()
@@ -81,33 +81,33 @@ def test_a_number_pins_a_knob_and_auto_derives_it():
     assert all(limits.how[k] == "pinned" for k in ("FLOOD_LATENCY_MS",))
     assert "MAX_IN_FLIGHT" not in limits.how  # pinned: describe() says so
     assert "MAX_IN_FLIGHT 32 (pinned)" in limits.describe()
-    assert "measured" in Admission({"MAX_IN_FLIGHT": "auto"}, linear_curve(2, 2)).limits().how["MAX_IN_FLIGHT"]
+    assert "measured" in Knobs({"MAX_IN_FLIGHT": "auto"}, linear_curve(2, 2)).limits().how["MAX_IN_FLIGHT"]
 
 
 @pytest.mark.parametrize(("key", "value"), [("MAX_IN_FLIGHT", "many"), ("BULK_TEXTS", "-1"), ("SLA_MS", "0")])
 def test_a_bad_knob_names_itself_and_the_value(key, value):
     with pytest.raises(ValueError, match=f"config parameter {key} must be .*; got '{value}'"):
-        Admission({key: value}, linear_curve(2, 2))
+        Knobs({key: value}, linear_curve(2, 2))
 
 
 def test_the_executions_served_move_the_door_down_to_half_its_load_time_width_and_up():
     curve = linear_curve(3, 2)
-    admission = Admission({}, curve)
-    before = admission.limits(now=0).max_in_flight
+    knobs = Knobs({}, curve)
+    before = knobs.limits(now=0).max_in_flight
     for _ in range(8):  # under load the executions take twice the time measured at load
         curve.observe(16, 2 * 0.035, now=0)
         curve.observe(32, 2 * 0.067, now=0)
-    assert before / 2 <= admission.limits(now=1).max_in_flight < before
+    assert before / 2 <= knobs.limits(now=1).max_in_flight < before
     for _ in range(8):  # a stall: the door stays at half its width, where batches still keep the throughput
         curve.observe(16, 1.0, now=2)
         curve.observe(32, 1.0, now=2)
-    stalled = admission.limits(now=3)
+    stalled = knobs.limits(now=3)
     assert stalled.max_in_flight == math.ceil(before / 2) and "half the door at load" in stalled.how["MAX_IN_FLIGHT"]
     for _ in range(16):  # shorter texts than the load-time timing's
         curve.observe(16, 0.010, now=4)
         curve.observe(32, 0.018, now=4)
-    assert admission.limits(now=5).max_in_flight > before
-    assert admission.limits(now=5).bulk_texts == before // 4  # fixed at load: both backends must sort a request alike
+    assert knobs.limits(now=5).max_in_flight > before
+    assert knobs.limits(now=5).bulk_texts == before // 4  # fixed at load: both backends must sort a request alike
 
 
 def test_one_stalled_execution_moves_little_and_old_ones_are_forgotten():
@@ -160,77 +160,75 @@ def test_an_execution_served_slower_than_proportion_is_cut_too():
     assert dict(curve.table(now=0))[64] == pytest.approx(2 * 0.067)
 
 
-def serve_period(
-    admission: Admission, now: float, *, ms: float, in_flight: int, answers: int = FEEDBACK_MIN_SAMPLES
-) -> int:
+def serve_period(knobs: Knobs, now: float, *, ms: float, in_flight: int, answers: int = FEEDBACK_MIN_SAMPLES) -> int:
     """One feedback period: ``answers`` admitted requests each ``ms`` in the service, ``in_flight`` at their starts;
     returns the door in force at ``now`` (``time.monotonic()`` clock)."""
     for _ in range(answers):
-        admission.started(in_flight)
-        admission.answered(ms, now=now)
-    return admission.limits(now=now).max_in_flight
+        knobs.started(in_flight)
+        knobs.answered(ms, now=now)
+    return knobs.limits(now=now).max_in_flight
 
 
 def test_a_served_p99_over_its_budget_shrinks_the_door_down_to_the_curves_floor():
-    admission = Admission({}, linear_curve(3, 2))
-    start, door = time.monotonic(), admission.limits().max_in_flight
-    doors = [serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door) for k in range(1, 20)]
+    knobs = Knobs({}, linear_curve(3, 2))
+    start, door = time.monotonic(), knobs.limits().max_in_flight
+    doors = [serve_period(knobs, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door) for k in range(1, 20)]
     assert doors[0] < door and all(b <= a for a, b in zip(doors, doors[1:], strict=False))
-    assert "served p99 (400 ms)" in admission.limits(now=start + 10).how["MAX_IN_FLIGHT"]
+    assert "served p99 (400 ms)" in knobs.limits(now=start + 10).how["MAX_IN_FLIGHT"]
     floor = doors[-1]  # what the curve predicts at a quarter of the budget: the encoder's queue is not the p99 there
     assert 1 < floor < door / 4
-    assert 2 * admission.curve.seconds(floor) * 1000 <= 200 * TARGET_SHARE * FEEDBACK_FLOOR_SHARE
+    assert 2 * knobs.curve.seconds(floor) * 1000 <= 200 * TARGET_SHARE * FEEDBACK_FLOOR_SHARE
 
 
 def test_a_nearly_full_door_with_a_low_p99_opens_and_a_door_not_reached_stays():
-    admission = Admission({}, linear_curve(3, 2))
-    start, door = time.monotonic(), admission.limits().max_in_flight
-    assert serve_period(admission, start + 1, ms=20, in_flight=door // 4) == door  # not what keeps the p99 low
+    knobs = Knobs({}, linear_curve(3, 2))
+    start, door = time.monotonic(), knobs.limits().max_in_flight
+    assert serve_period(knobs, start + 1, ms=20, in_flight=door // 4) == door  # not what keeps the p99 low
     opened = [door]
     for k in range(1, 4):  # each period the door fills up
-        opened.append(serve_period(admission, start + 1 + k, ms=20, in_flight=opened[-1]))
+        opened.append(serve_period(knobs, start + 1 + k, ms=20, in_flight=opened[-1]))
     assert opened == sorted(set(opened))
 
 
 def test_the_door_moves_once_a_period_and_only_with_enough_answers():
-    admission = Admission({}, linear_curve(3, 2))
-    start, door = time.monotonic(), admission.limits().max_in_flight
-    assert serve_period(admission, start + 1, ms=400, in_flight=door, answers=FEEDBACK_MIN_SAMPLES - 1) == door
-    moved = serve_period(admission, start + 1, ms=400, in_flight=door, answers=1)
+    knobs = Knobs({}, linear_curve(3, 2))
+    start, door = time.monotonic(), knobs.limits().max_in_flight
+    assert serve_period(knobs, start + 1, ms=400, in_flight=door, answers=FEEDBACK_MIN_SAMPLES - 1) == door
+    moved = serve_period(knobs, start + 1, ms=400, in_flight=door, answers=1)
     assert moved < door
-    assert serve_period(admission, start + 1 + FEEDBACK_PERIOD_S / 2, ms=400, in_flight=door) == moved
+    assert serve_period(knobs, start + 1 + FEEDBACK_PERIOD_S / 2, ms=400, in_flight=door) == moved
 
 
 def test_the_factor_is_forgotten_once_the_encoder_has_answered_nothing_for_a_while():
-    admission = Admission({}, linear_curve(3, 2))
-    start, door = time.monotonic(), admission.limits().max_in_flight
+    knobs = Knobs({}, linear_curve(3, 2))
+    start, door = time.monotonic(), knobs.limits().max_in_flight
     for k in range(1, 6):  # a flood: the door shrinks
-        serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door)
+        serve_period(knobs, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door)
     for _ in range(100):
-        admission.answered(400, now=start + 3)
-    assert admission.limits(now=start + 3).max_in_flight < door
-    assert admission.limits(now=start + 3 + FEEDBACK_IDLE_S + 0.1).max_in_flight == door  # the flood is over
+        knobs.answered(400, now=start + 3)
+    assert knobs.limits(now=start + 3).max_in_flight < door
+    assert knobs.limits(now=start + 3 + FEEDBACK_IDLE_S + 0.1).max_in_flight == door  # the flood is over
 
 
 def test_served_p99_ms_pins_the_target_and_zero_leaves_the_curves_door_alone():
-    pinned_target = Admission({"SERVED_P99_MS": "300"}, linear_curve(3, 2))
+    pinned_target = Knobs({"SERVED_P99_MS": "300"}, linear_curve(3, 2))
     start, door = time.monotonic(), pinned_target.limits().max_in_flight
     assert pinned_target.limits().knobs()["SERVED_P99_MS"] == 300
     assert pinned_target.limits().how["SERVED_P99_MS"] == "pinned"
     assert serve_period(pinned_target, start + 1, ms=250, in_flight=door) == door  # within 300 ms: no shrink
     assert serve_period(pinned_target, start + 2, ms=400, in_flight=door) < door
-    off = Admission({"SERVED_P99_MS": "0"}, linear_curve(3, 2))
+    off = Knobs({"SERVED_P99_MS": "0"}, linear_curve(3, 2))
     assert [serve_period(off, start + k, ms=4000, in_flight=door) for k in range(1, 4)] == [door] * 3
-    assert Admission({}, linear_curve(3, 2)).limits().knobs()["SERVED_P99_MS"] == 200 * FEEDBACK_SHARE
+    assert Knobs({}, linear_curve(3, 2)).limits().knobs()["SERVED_P99_MS"] == 200 * FEEDBACK_SHARE
 
 
 def test_a_door_of_one_timed_on_busy_cores_opens_while_its_answers_come_back_fast():
-    admission = Admission({}, linear_curve(90, 2))  # load-time executions slowed by other work: 2 x 92 ms > budget
+    knobs = Knobs({}, linear_curve(90, 2))  # load-time executions slowed by other work: 2 x 92 ms > budget
     start = time.monotonic()
-    assert admission.limits(now=start).max_in_flight == 1
+    assert knobs.limits(now=start).max_in_flight == 1
     doors = [1]
     for k in range(1, 12):  # every period the door is full and the answers take 20 ms
-        doors.append(serve_period(admission, start + k * FEEDBACK_PERIOD_S, ms=20, in_flight=doors[-1]))
+        doors.append(serve_period(knobs, start + k * FEEDBACK_PERIOD_S, ms=20, in_flight=doors[-1]))
     assert doors == sorted(doors) and doors[1] == 2 and doors[-1] == 4  # up to the factor's cap on the curve's door
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
-from triton_embed_protocol.capacity import AUTO, Admission, ServiceCurve
+from triton_embed_protocol.capacity import AUTO, Knobs, ServiceCurve
 from tritonclient.grpc import model_config_pb2
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
@@ -41,10 +41,10 @@ def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_a_door_measured
         stamp = next(i for i in config.input if i.name == "queued_ns")
         assert stamp.optional and list(stamp.dims) == [1], relative
         values = {k: v.string_value for k, v in config.parameters.items()}
-        for knob in Admission.KNOBS[1:]:  # CPU and GPU alike: each machine measures its own
+        for knob in Knobs.KNOBS[1:]:  # CPU and GPU alike: each machine measures its own
             assert values[knob] == AUTO, f"{relative}: {knob} is {values[knob]!r}, not measured"
-        Admission(values, ServiceCurve({1: 0.005, 64: 0.08}, config.max_batch_size))  # every knob reads
-        knobs.append({k: values[k] for k in (*Admission.KNOBS, "LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS", "BULK_QUEUE")})
+        Knobs(values, ServiceCurve({1: 0.005, 64: 0.08}, config.max_batch_size))  # every knob reads
+        knobs.append({k: values[k] for k in (*Knobs.KNOBS, "LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS", "BULK_QUEUE")})
     assert knobs[0] == knobs[1]
     assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
 
