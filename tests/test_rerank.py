@@ -148,6 +148,42 @@ def test_cohere_sdk_reranks_through_the_gateway_by_model_name(gateway, reference
     assert len(v1.results) == len(DOCUMENTS) and v1.results[0].document.text == DOCUMENTS[v1.results[0].index]
 
 
+def test_a_cache_hit_without_every_output_is_scored_by_the_steps_through_the_door(gateway, served):
+    """A direct caller asked the ensemble for SCORE alone; the cache answers the gateway's same request with SCORE
+    alone, and the gateway scores the pairs by the two steps: through the door (the encoder counts the tokenizer's
+    texts out of flight, as for the ensemble), with the scores CrossEncoder.predict computes."""
+    import time
+
+    from sentence_transformers import CrossEncoder
+    from test_gateway import post
+    from triton_embed_protocol.overload import InFlight, InFlightRecord
+
+    server, folders = served
+    documents = [f"a guitar lesson {time.time_ns()}", f"a cheese board {time.time_ns()}"]  # never sent before
+    inputs = {**pair_inputs(QUERY, documents), "TRUNCATE": text_tensor(["END"] * 2)}  # the gateway's cache key
+    infer(server.grpc_url, "rerank", inputs, ["SCORE"])
+    (door,) = [path for path in InFlight.files(server.pid) if path.name.endswith("-rerank.in-flight")]
+    answered, hits = InFlightRecord.parse(door.read_bytes()).answered, ensemble_cache_hits(server.grpc_url, "rerank")
+    status, body, _ = post(f"{gateway}/rerank", {"query": QUERY, "texts": documents})
+    assert status == 200, body
+    assert ensemble_cache_hits(server.grpc_url, "rerank") == hits + 1  # the cache answered, without TOKEN_COUNT
+    assert InFlightRecord.parse(door.read_bytes()).answered == answered + 2  # both pairs counted in and out
+    scores = CrossEncoder(str(folders["rerank"]), device="cpu").predict([(QUERY, d) for d in documents])
+    np.testing.assert_allclose([scores[row["index"]] for row in body], [row["score"] for row in body], atol=1e-5)
+
+
+def ensemble_cache_hits(grpc_url: str, model: str) -> int:
+    """Response-cache hits of the ensemble ``model`` so far, from Triton's statistics API."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+        return int(stats.get("cache_hit", {}).get("count", 0))
+    finally:
+        client.close()
+
+
 def test_rerank_errors_name_the_field_the_limit_and_the_value(gateway):
     from test_gateway import post
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import tritonclient.grpc.aio as grpcclient
-from triton_embed_protocol import refusal_reason, step_names
+from triton_embed_protocol import QUEUED, TOKENS, refusal_reason, step_names
 from tritonclient.utils import InferenceServerException
 
 from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, RerankRequest, Scores, Vectors, shorten
@@ -96,6 +96,15 @@ def rerank_error(exc: InferenceServerException, offset: int, field: str) -> ApiE
     elif _ROW.search(message):
         param, message = "query", _ROW.sub("'query'", message)
     return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _budget(budget_ms: float | None, bulk: bool) -> dict[str, float] | None:
+    """The request parameters of one call: its ``latency_budget_ms`` (None: the server's), 0 for a ``bulk`` chunk.
+
+    One refused chunk would fail the whole call: the chunks of a split list are never refused.
+    """
+    budget_ms = 0 if bulk else budget_ms
+    return None if budget_ms is None else {"latency_budget_ms": budget_ms}
 
 
 def _bytes_input(name: str, values: list[str]) -> grpcclient.InferInput:
@@ -215,15 +224,12 @@ class TritonEmbedder:
         Raises:
             ApiError: ``errors`` of Triton's error.
         """
-        # one refused chunk would fail the whole call: the chunks of a split list are never refused
-        budget = 0 if bulk else budget
-        parameters = None if budget is None else {"latency_budget_ms": budget}
         requested = [grpcclient.InferRequestedOutput(name) for name in outputs]
         with self.tracing.triton_call(self.model, rows) as metadata:
             try:
                 return await self._client.infer(
-                    self.model, inputs, outputs=requested, parameters=parameters, client_timeout=self.timeout_s,
-                    headers=metadata or None,
+                    self.model, inputs, outputs=requested, parameters=_budget(budget, bulk),
+                    client_timeout=self.timeout_s, headers=metadata or None,
                 )  # fmt: skip
             except InferenceServerException as exc:
                 raise errors(exc) from exc
@@ -258,36 +264,42 @@ class TritonEmbedder:
         scores, counts = result.as_numpy(wanted), result.as_numpy(TOKEN_COUNT)
         if scores is None or counts is None:  # a cache hit on a direct caller's response that asked for fewer
             try:
-                scores, counts = await self._score_by_steps(request, documents, wanted)
+                scores, counts = await self._score_by_steps(request, documents, wanted, bulk)
             except InferenceServerException as exc:
                 raise rerank_error(exc, offset, request.documents_field) from exc
         return scores.reshape(-1).astype(np.float32), counts.reshape(-1).astype(np.int64)
 
-    async def _score_by_steps(self, request: RerankRequest, documents: list[str], wanted: str) -> tuple[Scores, Counts]:
-        """The ensemble's two steps called one after the other.
+    async def _score_by_steps(
+        self, request: RerankRequest, documents: list[str], wanted: str, bulk: bool
+    ) -> tuple[Scores, Counts]:
+        """The ensemble's two steps called one after the other, as the ensemble calls them.
 
         The response cache keys on the inputs only (a Triton 2.51 workaround, as :meth:`_token_counts`), so a hit that
-        lacks an output cannot be asked for it again.
+        lacks an output cannot be asked for it again. The tokenizer's ``queued_ns`` goes on to the encoder with the
+        tokens and both calls carry the request's latency budget, so the pairs pass the door, the bulk lane and the
+        wait rule as through the ensemble.
         """
         n = len(documents)
         inputs = [
             _bytes_input(TEXT, [request.query] * n), _bytes_input("TEXT_PAIR", documents),
             _bytes_input(TRUNCATE, [request.truncate] * n),
         ]  # fmt: skip
+        parameters = _budget(request.latency_budget_ms, bulk)
         tokens = await self._client.infer(
-            self.tokenizer, inputs, client_timeout=self.timeout_s,
-            outputs=[grpcclient.InferRequestedOutput(out) for out in ("input_ids", "attention_mask", TOKENIZER_COUNT)],
+            self.tokenizer, inputs, client_timeout=self.timeout_s, parameters=parameters,
+            outputs=[grpcclient.InferRequestedOutput(out) for out in (*TOKENS, QUEUED, TOKENIZER_COUNT)],
         )  # fmt: skip
         steps = []
-        for name in ("input_ids", "attention_mask"):
+        for name in (*TOKENS, QUEUED):
             array = tokens.as_numpy(name)
             tensor = grpcclient.InferInput(name, list(array.shape), "INT64")
             tensor.set_data_from_numpy(array)
             steps.append(tensor)
         output = "logit__0" if wanted == LOGIT else "embedding__0"
         result = await self._client.infer(
-            self.encoder, steps, outputs=[grpcclient.InferRequestedOutput(output)], client_timeout=self.timeout_s
-        )
+            self.encoder, steps, outputs=[grpcclient.InferRequestedOutput(output)], client_timeout=self.timeout_s,
+            parameters=parameters,
+        )  # fmt: skip
         return result.as_numpy(output), tokens.as_numpy(TOKENIZER_COUNT)
 
     async def _token_counts(
