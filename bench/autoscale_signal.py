@@ -31,12 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.loadgen import closed_loop  # noqa: E402
-from bench.run import grpc_sender  # noqa: E402
-from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
+from bench.loadgen import closed_loop, grpc_sender
+from loadtest.corpus import CorpusError, load_corpus
 
 COUNTERS = ("nv_inference_queue_duration_us", "nv_inference_request_success", "nv_inference_count",
             "nv_inference_exec_count")  # fmt: skip

@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.overload import SLA_MS, LoopResult, _loop_groups, served
+from bench.loops import LoopResult, loop_groups
 from bench.perf_data import unique_texts
+from bench.serving import SLA_MS, served, variant_repository
 
 ROOT = Path(__file__).resolve().parents[1]
 BULK = {"latency_budget_ms": 0}
@@ -48,7 +49,7 @@ def three_runs(url: str, texts: list[str], args: argparse.Namespace) -> list[tup
     rows = []
     for label, groups in (("one-text alone", [one]), ("bulk alone", [big]), ("both", [one, big])):
         time.sleep(2)
-        results = asyncio.run(_loop_groups(url, texts[len(rows) :: 3], groups, args.seconds, 3.0))
+        results = asyncio.run(loop_groups(url, texts[len(rows) :: 3], groups, args.seconds, 3.0))
         interactive = results[0] if groups[0] is one else None
         bulk = results[-1] if groups[-1] is big else None
         rows.append((label, interactive, bulk))
@@ -94,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     knob, _, value = args.compare.partition("=")
     if args.compare and not (knob and value):
         parser.error(f"--compare takes KNOB=VALUE, an encoder config parameter, got {args.compare!r}")
-    sys.path.insert(0, str(ROOT))
-    from bench.run import variant_repository
-
     texts = unique_texts(300_000, "bulk")
     scratch = ROOT / ".build" if (ROOT / ".build").is_dir() else None
     with tempfile.TemporaryDirectory(dir=scratch) as tmp, contextlib.ExitStack() as stack:

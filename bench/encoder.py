@@ -18,31 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
-
-from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from bench.serving import cpu_model
+from loadtest.corpus import CorpusError, load_corpus
 
 
 def batches(tokenizer, texts: list[str], max_length: int, batch_size: int = 32) -> list[tuple]:

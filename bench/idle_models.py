@@ -28,8 +28,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.overload import Level, perf_analyzer_level
+from bench.perf_analyzer import PerfLevel, perf_analyzer_level, perf_analyzer_path
 from bench.perf_data import perf_analyzer_data, unique_texts
+from bench.serving import RERANK_WORK, door, stand_in, variant_repository
 
 VARIANTS = ("alone", "idle beside", "idle beside, spinning")
 TEXTS_PER_LEVEL = 20_000
@@ -41,17 +42,14 @@ def repositories(folder: Path) -> dict[str, Path]:
     Both "idle beside" variants share one copy, with two idle models exported into it.
 
     Raises:
-        ValueError: the served repository lacks what ``bench.run.variant_repository`` copies.
+        ValueError: the served repository lacks what ``bench.serving.variant_repository`` copies.
     """
     from triton_embed_server import export as exporter
-
-    from bench.rerank import WORK, stand_in
-    from bench.run import variant_repository
 
     alone = variant_repository(folder / "alone", None)
     crowded = variant_repository(folder / "crowded", None)
     exporter.export(exporter.default_model_path(), crowded, name="second", precision="fp32")
-    exporter.export(stand_in(WORK), crowded, name="rerank", precision="fp32")
+    exporter.export(stand_in(RERANK_WORK), crowded, name="rerank", precision="fp32")
     return {"alone": alone, "idle beside": crowded, "idle beside, spinning": crowded}
 
 
@@ -69,11 +67,9 @@ def sweep(repo: Path, log: Path, levels: list[int], texts: list[str], *, tag: st
         env: environment variables set while the server runs (e.g. ``OMP_WAIT_POLICY``).
 
     Returns:
-        ``{"door": MAX_IN_FLIGHT at start-up (texts), "levels": [Level as a dict]}``.
+        ``{"door": MAX_IN_FLIGHT at start-up (texts), "levels": [PerfLevel as a dict]}``.
     """
     from triton_embed_server.embedded import EmbeddedServer
-
-    from bench.run import door
 
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -100,9 +96,9 @@ def sweep(repo: Path, log: Path, levels: list[int], texts: list[str], *, tag: st
                 os.environ[key] = value
 
 
-def best(levels: list[dict[str, Any]], sla_ms: float) -> Level | None:
+def best(levels: list[dict[str, Any]], sla_ms: float) -> PerfLevel | None:
     """The level with the most infer/s whose p99 is within ``sla_ms`` and which completed."""
-    ok = [Level(**lv) for lv in levels if not lv["error"] and lv["p99_ms"] <= sla_ms]
+    ok = [PerfLevel(**lv) for lv in levels if not lv["error"] and lv["p99_ms"] <= sla_ms]
     return max(ok, key=lambda lv: lv.throughput) if ok else None
 
 
@@ -129,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", help="a text file, one text per line (default: STS-B train+dev)")
     parser.add_argument("--out", type=Path, help="folder for idle_models.json (default: none written)")
     args = parser.parse_args(argv)
-    from bench.tune import perf_analyzer_path
 
     if perf_analyzer_path() is None:
         print("perf_analyzer not found: set PERF_ANALYZER or build ../shared/tools/perf-analyzer", file=sys.stderr)

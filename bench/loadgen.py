@@ -1,8 +1,13 @@
-"""Closed-loop load: N threads each send one request after another for a fixed time; latency and throughput."""
+"""Closed-loop load: N threads each send one request after another for a fixed time; latency and throughput.
+
+The senders it drives (:func:`grpc_sender`, :func:`json_sender`) are here too (a library: it imports no scenario).
+"""
 
 from __future__ import annotations
 
+import http.client
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -92,3 +97,47 @@ def best_under_sla(levels: list[Level], sla_ms: float) -> Level | None:
     """The level with the highest throughput whose p99 stays at or under ``sla_ms`` and had no errors."""
     ok = [lv for lv in levels if lv.p99_ms <= sla_ms and lv.errors == 0]
     return max(ok, key=lambda lv: lv.throughput) if ok else None
+
+
+def post_json(conn: http.client.HTTPConnection, path: str, body: dict) -> bytes:
+    """POST ``body`` as JSON to ``path``; the answer's bytes.
+
+    Raises:
+        RuntimeError: any status but 200, with the answer's first 200 bytes.
+    """
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = response.read()
+    if response.status != 200:
+        raise RuntimeError(payload[:200])
+    return payload
+
+
+def json_sender(port: int, path: str, body_of: Callable[[str], dict]) -> Callable[[str], None]:
+    """A ``bench.loadgen`` sender on its own keep-alive connection to 127.0.0.1:``port``.
+
+    Each text goes as ``body_of(text)``, POSTed as JSON to ``path`` (:func:`post_json`).
+    """
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def send(text: str) -> None:
+        post_json(conn, path, body_of(text))
+
+    return send
+
+
+def grpc_sender(url: str) -> Callable[[str], None]:
+    """A new raw tritonclient gRPC connection to ``url`` and a call that embeds one text over it (no retries).
+
+    Raises (from the call): InferenceServerException, the server's error.
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+
+    def send(text: str) -> None:
+        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
+        client.infer("embed", [tensor])
+
+    return send

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import random
 import resource
 import subprocess
@@ -45,167 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.loops import LoopResult, beside_bulk_loops, no_backoff_loop
+from bench.perf_analyzer import perf_analyzer_level
 from bench.perf_data import perf_analyzer_data, unique_texts
-
-ROOT = Path(__file__).resolve().parents[1]
-PERF_ANALYZER = Path(os.environ.get("PERF_ANALYZER", ROOT.parent / "shared" / "tools" / "perf-analyzer"))
-SLA_MS = 200.0
-
-
-@dataclass(frozen=True)
-class Level:
-    """One perf_analyzer concurrency level: throughput (infer/s) and p99 (ms); ``error`` when it aborted."""
-
-    concurrency: int
-    throughput: float
-    p99_ms: float
-    error: str = ""
-
-    @property
-    def refused(self) -> bool:
-        """perf_analyzer stopped on a refusal (not on a measurement that would not settle)."""
-        return "overloaded" in self.error
-
-    def outcome(self) -> str:
-        """What the table says about refusals at this level."""
-        if not self.error:
-            return "none"
-        return f"refused: {self.error}" if self.refused else f"none; no stable measurement: {self.error}"
-
-
-def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_off: bool, tries: int = 2) -> Level:
-    """Run perf_analyzer at one concurrency (count windows of 500 requests, up to 6 trials).
-
-    A level whose measurement does not settle (a noisy machine) is run again, up to ``tries`` times in all.
-    """
-    csv = data.with_suffix(f".{concurrency}.{int(budget_off)}.csv")
-    command = [str(PERF_ANALYZER), "-m", "embed", "-i", "grpc", "-u", f"127.0.0.1:{grpc_port}",
-               "--input-data", str(data), "--concurrency-range", str(concurrency), "--percentile", "99",
-               "--measurement-mode", "count_windows", "--measurement-request-count", "500", "--max-trials", "6",
-               "--stability-percentage", "25", "-f", str(csv)]  # fmt: skip
-    if budget_off:
-        command += ["--request-parameter", "latency_budget_ms:0:int"]
-    run = subprocess.run(command, cwd=data.parent, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603
-    if run.returncode != 0 or not csv.is_file():
-        lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line.lower() or "stable" in line]
-        failed = Level(concurrency, float("nan"), float("nan"), (lines or [f"exit code {run.returncode}"])[-1][:300])
-        if failed.refused or tries <= 1:
-            return failed
-        return perf_analyzer_level(grpc_port, data, concurrency, budget_off=budget_off, tries=tries - 1)
-    header, row = csv.read_text().splitlines()[:2]
-    fields = dict(zip(header.split(","), row.split(","), strict=False))
-    return Level(concurrency, float(fields["Inferences/Second"]), float(fields["p99 latency"]) / 1000)
-
-
-@dataclass(frozen=True)
-class LoopResult:
-    """A no-backoff closed loop: successes/s, refusals/s, other errors, accepted p50/p99 (ms)."""
-
-    clients: int
-    ok_per_s: float
-    refused_per_s: float
-    other_errors: int
-    p50_ms: float
-    p99_ms: float
-
-
-@dataclass
-class _Tally:
-    """What one group of no-backoff loops saw in the measured window: accepted latencies (ms), refusals, errors."""
-
-    ok_ms: list[float]
-    refused: int = 0
-    other: int = 0
-
-    def result(self, clients: int, seconds: float) -> LoopResult:
-        lat = np.array(self.ok_ms or [np.nan])
-        return LoopResult(clients, len(self.ok_ms) / seconds, self.refused / seconds, self.other,
-                          *np.percentile(lat, [50, 99]))  # fmt: skip
-
-
-async def _loops(client, texts: list[str], counter, *, clients: int, size: int, window: tuple[float, float],
-                 parameters: dict | None = None, model: str = "embed") -> _Tally:  # fmt: skip
-    """``clients`` loops sending ``size`` new texts per request to ``model`` until ``window`` ends.
-
-    With request ``parameters``; tallies the sends inside the window.
-    """
-    import tritonclient.grpc.aio as grpcclient
-
-    begin, end = window
-    tally = _Tally([])
-
-    async def one() -> None:
-        while (t0 := time.perf_counter()) < end:
-            batch = [[texts[next(counter) % len(texts)].encode()] for _ in range(size)]
-            tensor = grpcclient.InferInput("TEXT", [size, 1], "BYTES")
-            tensor.set_data_from_numpy(np.array(batch, dtype=np.object_))
-            try:
-                await client.infer(model, [tensor], client_timeout=60, parameters=parameters)
-                if t0 >= begin:
-                    tally.ok_ms.append((time.perf_counter() - t0) * 1000)
-            except Exception as exc:  # noqa: BLE001 - counted
-                if t0 >= begin:
-                    if "UNAVAILABLE" in str(getattr(exc, "status", lambda: "")()):
-                        tally.refused += 1
-                    else:
-                        tally.other += 1
-
-    await asyncio.gather(*(one() for _ in range(clients)))
-    return tally
-
-
-async def _loop_groups(url: str, texts: list[str], groups: list[tuple], seconds: float,
-                       warmup_s: float) -> list[LoopResult]:  # fmt: skip
-    """Run each group of (loops, texts per request, request parameters[, model]) at once on one gRPC client.
-
-    The model defaults to ``embed``; one :class:`LoopResult` per group.
-    """
-    import tritonclient.grpc.aio as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
-    counter = itertools.count()
-    start = time.perf_counter()
-    window = (start + warmup_s, start + warmup_s + seconds)
-    tallies = await asyncio.gather(
-        *(
-            _loops(
-                client,
-                texts,
-                counter,
-                clients=group[0],
-                size=group[1],
-                window=window,
-                parameters=group[2],
-                model=group[3] if len(group) > 3 else "embed",
-            )  # fmt: skip
-            for group in groups
-        )
-    )
-    await client.close()
-    return [tally.result(group[0], seconds) for tally, group in zip(tallies, groups, strict=True)]
-
-
-async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: float, warmup_s: float = 2.0):
-    """``clients`` gRPC loops of one text per request that send again the moment an answer (or a refusal) comes back."""
-    (result,) = await _loop_groups(url, texts, [(clients, 1, None)], seconds, warmup_s)
-    return result
-
-
-async def beside_bulk_loops(url: str, texts: list[str], clients: int, seconds: float, *, bulk: tuple[int, int],
-                            warmup_s: float = 2.0) -> tuple[LoopResult, LoopResult]:  # fmt: skip
-    """:func:`no_backoff_loop` beside ``bulk`` = (loops, texts per request) loops of large requests.
-
-    Returns the one-text loops' result and the bulk loops' (their successes/s count requests, not texts).
-    """
-    one, big = await _loop_groups(url, texts, [(clients, 1, None), (*bulk, None)], seconds, warmup_s)
-    return one, big
-
-
-async def model_loops(url: str, texts: list[str], groups: list[tuple[str, int, int]], seconds: float,
-                      warmup_s: float = 2.0) -> list[LoopResult]:  # fmt: skip
-    """No-backoff loops at several models at once: per group (model, loops, texts per request), one result each."""
-    return await _loop_groups(url, texts, [(n, size, None, model) for model, n, size in groups], seconds, warmup_s)
-
+from bench.serving import ROOT, SLA_MS, served
 
 WRK_SCRIPT = ROOT / "bench" / "wrk_embed.lua"
 
@@ -457,21 +299,6 @@ def alternating_floods(servers: dict[str, object], wrk_texts: Path, texts: list[
               f"{each} |")  # fmt: skip
 
 
-def served(folder: Path, name: str, knobs: dict[tuple[str, str], str] | None = None, source: Path | None = None):
-    """An embedded server (a context manager) on free loopback ports, over a copy of a model repository.
-
-    The copy (``bench.run.variant_repository`` of ``source``, default the checkout's; response cache off, ``knobs``
-    set) is ``folder/repo-<name>``, the server's log ``folder/tritonserver-<name>.log``.
-    """
-    from triton_embed_server.embedded import EmbeddedServer
-
-    from bench.run import variant_repository
-
-    repo = variant_repository(folder / f"repo-{name}", knobs=knobs, source=source)
-    return EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                          log_file=folder / f"tritonserver-{name}.log")  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
     """Run every part against one server; print the figures with their ratios to the best throughput and capacity."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -501,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     knob, _, value = args.compare.partition("=")
     if args.compare and not (knob and value):
         parser.error(f"--compare takes KNOB=VALUE, an encoder config parameter, got {args.compare!r}")
-    sys.path.insert(0, str(ROOT))
     compared = {("encoder", knob): value}
     scratch = ROOT / ".build" if (ROOT / ".build").is_dir() else None
 

@@ -23,13 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.overload import perf_analyzer_level  # noqa: E402
-from bench.perf_data import perf_analyzer_data, unique_texts  # noqa: E402
-from bench.run import in_process, variant_repository  # noqa: E402
-from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
+from bench.perf_analyzer import perf_analyzer_level
+from bench.perf_data import perf_analyzer_data, unique_texts
+from bench.serving import in_process, variant_repository
+from loadtest.corpus import CorpusError, load_corpus
 
 BOUNDS_MS = (200.0, 100.0)
 """The p99 bounds the best throughput is quoted at."""

@@ -29,31 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.encoder import cpu_model
-from bench.loadgen import best_under_sla, sweep
-from bench.run import INFINITY, ROOT, json_sender, post_json, wait_http
+from bench.loadgen import best_under_sla, json_sender, post_json, sweep
+from bench.serving import INFINITY, RERANK_WORK, cpu_model, stand_in, wait_http
 from loadtest.corpus import CorpusError, load_corpus
-
-WORK = ROOT / ".build" / "bench" / "rerank"  # the stand-in, made once
-
-
-def stand_in(folder: Path) -> Path:
-    """The stand-in cross-encoder in ``folder`` (made once): packaged MiniLM + a random one-label head."""
-    import torch
-    from sentence_transformers import CrossEncoder
-    from transformers import AutoTokenizer, BertForSequenceClassification
-    from triton_embed_server.export import default_model_path
-
-    model_dir = folder / "model"
-    if (model_dir / "config.json").is_file():
-        return model_dir
-    source = default_model_path()
-    torch.manual_seed(0)
-    hf = folder / "hf"
-    BertForSequenceClassification.from_pretrained(str(source), num_labels=1).save_pretrained(hf)
-    AutoTokenizer.from_pretrained(str(source)).save_pretrained(hf)
-    CrossEncoder(str(hf), device="cpu", max_length=512).save(str(model_dir))
-    return model_dir
 
 
 def ceiling(model_dir: Path, queries: list[str], documents: list[str], size: int, seconds: float) -> float:
@@ -116,7 +94,7 @@ def infinity_levels(model_dir: Path, requests, size: int, *, levels: list[int], 
 
 def measure(
     texts: list[str], sizes: list[int], levels: list[int], *, duration_s: float, sla_ms: float,
-    precision: str = "auto", work: Path = WORK,
+    precision: str = "auto", work: Path = RERANK_WORK,
 ) -> dict:  # fmt: skip
     """Export the stand-in at ``precision`` into a served repository, sweep it and its peers per size of ``sizes``.
 
@@ -199,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per concurrency level")
     parser.add_argument("--sla-ms", type=float, default=200.0)
     parser.add_argument("--precision", default="auto", help="the export's PRECISION (default: auto)")
-    parser.add_argument("--work", type=Path, default=WORK, help="the stand-in's folder")
+    parser.add_argument("--work", type=Path, default=RERANK_WORK, help="the stand-in's folder")
     args = parser.parse_args(argv)
     try:
         texts = load_corpus(args.corpus)

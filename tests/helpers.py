@@ -232,7 +232,7 @@ def held_repository(dst: Path, hold_s: float = HOLD_S) -> Path:
     """The shipped model repository at ``dst`` (artifacts linked, response cache off) whose tokenizer holds every
     request ``hold_s`` seconds before it runs (its dynamic batcher's ``max_queue_delay_microseconds``; requests of
     64 texts fill a batch and run at once), so that a test can see requests waiting for their first step."""
-    from bench.run import variant_repository
+    from bench.serving import variant_repository
 
     repo = variant_repository(dst, None)
     config = repo / "tokenizer" / "config.pbtxt"

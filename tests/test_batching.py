@@ -15,7 +15,7 @@ from helpers import counts, infer, text_tensor
 from triton_embed import AsyncEmbeddingClient, EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer
 
-from bench.run import variant_repository
+from bench.serving import variant_repository
 
 WORDS = [
     "the",

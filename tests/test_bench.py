@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 from helpers import infer, text_tensor
 
 from bench import run as bench_run
+from bench.serving import variant_repository
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +73,7 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
 
 
 def test_fixed_length_variant_has_a_single_bucket(tmp_path):
-    repo = bench_run.variant_repository(tmp_path / "repo", fixed_length=128)
+    repo = variant_repository(tmp_path / "repo", fixed_length=128)
     encoder = (repo / "encoder" / "config.pbtxt").read_text()
     assert encoder.count("batch_size: 64 input") == 1 and "dim: [ 128 ]" in encoder
     assert "response_cache { enable: false }" in (repo / "embed" / "config.pbtxt").read_text()
@@ -80,7 +81,7 @@ def test_fixed_length_variant_has_a_single_bucket(tmp_path):
 
 @pytest.mark.parametrize("fixed", [None, 128])
 def test_variant_keeps_the_artifacts_linked(tmp_path, fixed):
-    repo = bench_run.variant_repository(tmp_path / "repo", fixed_length=fixed)
+    repo = variant_repository(tmp_path / "repo", fixed_length=fixed)
     assert (repo / "encoder" / "1" / "model.pt").resolve().is_file()
     assert (repo / "tokenizer" / "1" / "tokenizer.json").resolve().is_file()
     assert (repo / "tokenizer" / "1" / "prompts.json").resolve().is_file()

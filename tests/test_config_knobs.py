@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.run import variant_repository
+from bench.serving import variant_repository
 
 
 def test_bad_knobs_fail_the_load_naming_the_knob_the_limit_and_the_value(tmp_path):

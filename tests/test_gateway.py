@@ -353,7 +353,7 @@ def test_overload_from_triton_is_503_with_retry_after(tmp_path):
     """An encoder whose latency budget every request overruns refuses as overloaded; the gateway says 503, retry."""
     from triton_embed_server.embedded import EmbeddedServer
 
-    from bench.run import variant_repository
+    from bench.serving import variant_repository
 
     knobs = {("encoder", "LATENCY_BUDGET_MS"): "0.000001", ("encoder", "REFUSAL_HOLD_MS"): "0"}
     repo = variant_repository(tmp_path / "repo", knobs=knobs, cache=True)

@@ -217,7 +217,7 @@ def strict_server(tmp_path_factory):
     ``TRUNCATION: "error"``, as docs/configuration.md sets it where over-long texts must be errors."""
     from triton_embed_server.embedded import EmbeddedServer
 
-    from bench.run import variant_repository
+    from bench.serving import variant_repository
 
     tmp = tmp_path_factory.mktemp("strict")
     repo = variant_repository(tmp / "repo", cache=True, knobs={("tokenizer", "TRUNCATION"): "error"})

@@ -146,7 +146,7 @@ def slow_encoder_server(tmp_path_factory):
     no wait budget), which would turn the slow requests into failures: the served p99 over 400 ms narrows the door."""
     from triton_embed_server.embedded import EmbeddedServer
 
-    from bench.run import variant_repository
+    from bench.serving import variant_repository
 
     tmp = tmp_path_factory.mktemp("slow")
     repo = variant_repository(

@@ -22,8 +22,8 @@ from test_overload import closed_loop
 from triton_embed_protocol.cpu import cpu_cgroups, usable_cores
 from triton_embed_server.embedded import EmbeddedServer
 
-from bench.overload import no_backoff_loop
-from bench.run import variant_repository
+from bench.loops import no_backoff_loop
+from bench.serving import variant_repository
 
 SLA_MS = 200  # SLA_MS as shipped
 

@@ -40,7 +40,7 @@ def test_one_models_flood_leaves_both_models_one_text_p99_within_the_sla(tmp_pat
     from triton_embed_server import export as exporter
     from triton_embed_server.embedded import EmbeddedServer
 
-    from bench.overload import model_loops
+    from bench.loops import model_loops
 
     repo = tmp_path / "repo"
     for name in ("embed", "multi"):

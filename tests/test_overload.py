@@ -21,9 +21,9 @@ from triton_embed_protocol.overload import InFlightRecord
 from triton_embed_server.embedded import EmbeddedServer
 from tritonclient.utils import InferenceServerException
 
-from bench.overload import _loop_groups, no_backoff_loop
+from bench.loops import loop_groups, no_backoff_loop
 from bench.perf_data import unique_texts
-from bench.run import variant_repository
+from bench.serving import variant_repository
 
 QUEUE_DELAY_US = 400_000  # every lone request waits this long for a batch
 BUDGET_MS = 150  # a request's own latency_budget_ms, under that wait
@@ -291,7 +291,7 @@ def test_one_text_requests_beside_a_flood_of_bulk_jobs_are_answered_within_the_s
     sampler.start()
     try:
         one, bulk = asyncio.run(
-            _loop_groups(fresh_server.grpc_url, texts, [(2, 1, None), (16, 64, {"latency_budget_ms": 0})], 8.0, 2.0)
+            loop_groups(fresh_server.grpc_url, texts, [(2, 1, None), (16, 64, {"latency_budget_ms": 0})], 8.0, 2.0)
         )
     finally:
         done.set()

@@ -26,7 +26,7 @@ from triton_embed_server.embedded import EmbeddedServer, free_port
 from triton_embed_server.supervisor import ADMIN_HEADER
 from triton_embed_server.tracing import triton_trace_args
 
-from bench.run import variant_repository
+from bench.serving import variant_repository
 
 SERVICE = "triton-embed-traced"
 SERVER_KIND, CLIENT_KIND = 2, 3  # OTLP's SpanKind
