@@ -34,8 +34,12 @@ import numpy as np
 from bench.loadgen import closed_loop, grpc_sender
 from loadtest.corpus import CorpusError, load_corpus
 
-COUNTERS = ("nv_inference_queue_duration_us", "nv_inference_request_success", "nv_inference_count",
-            "nv_inference_exec_count")  # fmt: skip
+COUNTERS = (
+    "nv_inference_queue_duration_us",
+    "nv_inference_request_success",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+)
 
 
 def encoder_counters(metrics_url: str) -> dict[str, float]:
@@ -79,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     texts = [texts[i] for i in rng.permutation(len(texts))]
     share = len(texts) // len(args.levels)  # each level its own sentences: no cache hits
-    print(f"{platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}; "
-          f"{args.seconds:.0f} s per level, {share} distinct sentences each", flush=True)  # fmt: skip
+    print(
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}; "
+        f"{args.seconds:.0f} s per level, {share} distinct sentences each",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "tritonserver.log"
@@ -98,22 +105,29 @@ def main(argv: list[str] | None = None) -> int:
                 queue_ms = delta["nv_inference_queue_duration_us"] / max(1.0, delta["nv_inference_request_success"])
                 batch = delta["nv_inference_count"] / max(1.0, delta["nv_inference_exec_count"])
                 rows.append((level, queue_ms / 1000, batch))
-                print(f"  {concurrency:3d} clients: {level.throughput:6.1f} req/s  p50 {level.p50_ms:6.1f} ms  "
-                      f"p99 {level.p99_ms:6.1f} ms  errors {level.errors:4d}  encoder queue "
-                      f"{queue_ms / 1000:6.1f} ms/request  batch {batch:4.1f}", flush=True)  # fmt: skip
+                print(
+                    f"  {concurrency:3d} clients: {level.throughput:6.1f} req/s  p50 {level.p50_ms:6.1f} ms  "
+                    f"p99 {level.p99_ms:6.1f} ms  errors {level.errors:4d}  encoder queue "
+                    f"{queue_ms / 1000:6.1f} ms/request  batch {batch:4.1f}",
+                    flush=True,
+                )
             hits = cache_hits(srv.grpc_url)
 
     print(f"\nresponse-cache hits: {hits}\n")
     print("| clients | req/s | p50 ms | p99 ms | errors | encoder queue ms/request | encoder batch |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for level, queue_ms, batch in rows:
-        print(f"| {level.concurrency} | {level.throughput:.1f} | {level.p50_ms:.1f} | {level.p99_ms:.1f} | "
-              f"{level.errors} | {queue_ms:.1f} | {batch:.1f} |")  # fmt: skip
+        print(
+            f"| {level.concurrency} | {level.throughput:.1f} | {level.p50_ms:.1f} | {level.p99_ms:.1f} | "
+            f"{level.errors} | {queue_ms:.1f} | {batch:.1f} |"
+        )
     under = [(lv, q) for lv, q, _ in rows if lv.p99_ms <= args.sla_ms and lv.errors == 0]
     if under:
         lv, q = max(under, key=lambda row: row[0].concurrency)
-        print(f"\nhighest load with p99 <= {args.sla_ms:.0f} ms and no errors: {lv.concurrency} clients, "
-              f"p99 {lv.p99_ms:.1f} ms, encoder queue {q * 1000:.0f} us/request")  # fmt: skip
+        print(
+            f"\nhighest load with p99 <= {args.sla_ms:.0f} ms and no errors: {lv.concurrency} clients, "
+            f"p99 {lv.p99_ms:.1f} ms, encoder queue {q * 1000:.0f} us/request"
+        )
     return 0
 
 

@@ -40,8 +40,9 @@ def refused_share(r: LoopResult) -> float:
     return r.refused_per_s / attempts if attempts else 0.0
 
 
-def three_runs(url: str, texts: list[str], args: argparse.Namespace) -> list[tuple[str, LoopResult | None,
-                                                                                  LoopResult | None]]:  # fmt: skip
+def three_runs(
+    url: str, texts: list[str], args: argparse.Namespace
+) -> list[tuple[str, LoopResult | None, LoopResult | None]]:
     """The interactive loops alone, the bulk loops alone, both at once: (label, interactive, bulk) per run."""
     loops, size = args.bulk
     one = (args.interactive, 1, None)
@@ -59,8 +60,10 @@ def three_runs(url: str, texts: list[str], args: argparse.Namespace) -> list[tup
 def print_rows(rows: list[tuple[str, LoopResult | None, LoopResult | None]], size: int, label: str) -> dict:
     """Print the table of :func:`three_runs`; return the goal figures."""
     print(f"\n{label}:")
-    print("| run | one-text successes/s | refused share | accepted p50 ms | p99 ms | bulk texts/s | bulk refused "
-          "share | bulk accepted p50 ms | p99 ms |")  # fmt: skip
+    print(
+        "| run | one-text successes/s | refused share | accepted p50 ms | p99 ms | bulk texts/s | bulk refused "
+        "share | bulk accepted p50 ms | p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, one, big in rows:
         a = (
@@ -68,29 +71,43 @@ def print_rows(rows: list[tuple[str, LoopResult | None, LoopResult | None]], siz
             if one
             else "- | - | - | -"
         )
-        b = (f"{big.ok_per_s * size:.0f} | {refused_share(big):.1%} | {big.p50_ms:.0f} | {big.p99_ms:.0f}"
-             if big else "- | - | - | -")  # fmt: skip
+        b = (
+            f"{big.ok_per_s * size:.0f} | {refused_share(big):.1%} | {big.p50_ms:.0f} | {big.p99_ms:.0f}"
+            if big
+            else "- | - | - | -"
+        )
         print(f"| {name} | {a} | {b} |", flush=True)
     _, _, alone = rows[1]
     _, one, both = rows[2]
     kept = both.ok_per_s / alone.ok_per_s if alone and alone.ok_per_s else 0.0
     goals = {"one_text_p99_ms": one.p99_ms, "one_text_refused": refused_share(one), "bulk_kept": kept}
     met = one.p99_ms <= SLA_MS and refused_share(one) <= 0.01 and kept >= 0.5
-    print(f"goals (one-text p99 <= {SLA_MS:g} ms, <= 1% refused, bulk >= 0.5x alone): p99 {one.p99_ms:.0f} ms, "
-          f"{refused_share(one):.1%} refused, bulk {kept:.2f}x alone: {'met' if met else 'NOT met'}")  # fmt: skip
+    print(
+        f"goals (one-text p99 <= {SLA_MS:g} ms, <= 1% refused, bulk >= 0.5x alone): p99 {one.p99_ms:.0f} ms, "
+        f"{refused_share(one):.1%} refused, bulk {kept:.2f}x alone: {'met' if met else 'NOT met'}"
+    )
     return goals
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the three loads against the shipped server (and the ``--compare`` one); print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bulk", type=lambda v: tuple(int(x) for x in v.split("x")), default=(32, 64),
-                        metavar="LOOPSxTEXTS", help="bulk loops and texts per request (32x64)")  # fmt: skip
+    parser.add_argument(
+        "--bulk",
+        type=lambda v: tuple(int(x) for x in v.split("x")),
+        default=(32, 64),
+        metavar="LOOPSxTEXTS",
+        help="bulk loops and texts per request (32x64)",
+    )
     parser.add_argument("--interactive", type=int, default=4, help="one-text loops")
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window of each run")
     parser.add_argument("--precision", default="auto", help="make model's PRECISION for the served export")
-    parser.add_argument("--compare", default="", metavar="KNOB=VALUE",
-                        help="an encoder knob of a second server the three runs repeat against")  # fmt: skip
+    parser.add_argument(
+        "--compare",
+        default="",
+        metavar="KNOB=VALUE",
+        help="an encoder knob of a second server the three runs repeat against",
+    )
     args = parser.parse_args(argv)
     knob, _, value = args.compare.partition("=")
     if args.compare and not (knob and value):
@@ -101,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         exported = variant_repository(folder / "export", precision=args.precision)
         manifest = json.loads((exported / "encoder" / "1" / "export.json").read_text())
-        print(f"model: {manifest.get('model_type')} at {manifest.get('precision')} "
-              f"({manifest.get('precision_reason', '')})")  # fmt: skip
-        servers = [("shipped settings", None)] + ([(f"encoder {knob} {value}", {("encoder", knob): value})]
-                                                  if args.compare else [])  # fmt: skip
+        print(
+            f"model: {manifest.get('model_type')} at {manifest.get('precision')} "
+            f"({manifest.get('precision_reason', '')})"
+        )
+        servers = [("shipped settings", None)] + (
+            [(f"encoder {knob} {value}", {("encoder", knob): value})] if args.compare else []
+        )
         for label, knobs in servers:
             with served(folder, label.replace(" ", "-"), knobs, source=exported) as server:
                 print_rows(three_runs(server.grpc_url, texts, args), args.bulk[1], label)

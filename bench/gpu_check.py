@@ -102,9 +102,19 @@ GPU_PLAN = Plan(
     monitor_s=8.0,
     model_config_name="gpu",
     budget_s=540.0,
-    limits={"environment": 90, "model": 60, "export": 240, "runner": 180, "speed": 120, "fp16": 120,
-            "in-process": 60, "monitor": 60, "served": 200, "served-fp16": 200},
-)  # fmt: skip
+    limits={
+        "environment": 90,
+        "model": 60,
+        "export": 240,
+        "runner": 180,
+        "speed": 120,
+        "fp16": 120,
+        "in-process": 60,
+        "monitor": 60,
+        "served": 200,
+        "served-fp16": 200,
+    },
+)
 DRY_PLAN = Plan(
     device="cpu",
     graphs=False,
@@ -120,9 +130,19 @@ DRY_PLAN = Plan(
     monitor_s=1.0,
     model_config_name=None,
     budget_s=480.0,
-    limits={"environment": 120, "model": 60, "export": 240, "runner": 120, "speed": 60, "fp16": 120,
-            "in-process": 30, "monitor": 30, "served": 180, "served-fp16": 180},
-)  # fmt: skip
+    limits={
+        "environment": 120,
+        "model": 60,
+        "export": 240,
+        "runner": 120,
+        "speed": 60,
+        "fp16": 120,
+        "in-process": 30,
+        "monitor": 30,
+        "served": 180,
+        "served-fp16": 180,
+    },
+)
 
 
 class Report:

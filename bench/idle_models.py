@@ -53,8 +53,9 @@ def repositories(folder: Path) -> dict[str, Path]:
     return {"alone": alone, "idle beside": crowded, "idle beside, spinning": crowded}
 
 
-def sweep(repo: Path, log: Path, levels: list[int], texts: list[str], *, tag: str, sla_ms: float,
-          env: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+def sweep(
+    repo: Path, log: Path, levels: list[int], texts: list[str], *, tag: str, sla_ms: float, env: dict[str, str]
+) -> dict[str, Any]:
     """perf_analyzer on ``embed`` of a server over ``repo`` level after level, until one is refused or past 2x the SLA.
 
     Args:
@@ -83,8 +84,11 @@ def sweep(repo: Path, log: Path, levels: list[int], texts: list[str], *, tag: st
                 data.write_text(json.dumps(perf_analyzer_data(texts[start : start + TEXTS_PER_LEVEL])))
                 level = perf_analyzer_level(port, data, concurrency, budget_off=False)
                 out["levels"].append(asdict(level))
-                print(f"  {tag} {concurrency}: {level.throughput:.0f} infer/s, p99 {level.p99_ms:.0f} ms "
-                      f"{level.error[:120]}", flush=True)  # fmt: skip
+                print(
+                    f"  {tag} {concurrency}: {level.throughput:.0f} infer/s, p99 {level.p99_ms:.0f} ms "
+                    f"{level.error[:120]}",
+                    flush=True,
+                )
                 if level.refused or level.p99_ms > 2 * sla_ms:  # one that did not settle (NaN) goes on
                     break
             return out
@@ -104,8 +108,11 @@ def best(levels: list[dict[str, Any]], sla_ms: float) -> PerfLevel | None:
 
 def table(rounds: list[dict[str, dict[str, Any]]], sla_ms: float) -> str:
     """Markdown: per round and variant, the best level within the SLA, the door at start-up and the ratio."""
-    rows = [f"| round | repository | best infer/s at p99 <= {sla_ms:g} ms | at concurrency | p99 ms | door at "
-            "start-up (texts) | x alone |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        f"| round | repository | best infer/s at p99 <= {sla_ms:g} ms | at concurrency | p99 ms | door at "
+        "start-up (texts) | x alone |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for n, result in enumerate(rounds, 1):
         base = best(result["alone"]["levels"], sla_ms)
         for name in VARIANTS:

@@ -35,12 +35,22 @@ class _Tally:
 
     def result(self, clients: int, seconds: float) -> LoopResult:
         lat = np.array(self.ok_ms or [np.nan])
-        return LoopResult(clients, len(self.ok_ms) / seconds, self.refused / seconds, self.other,
-                          *np.percentile(lat, [50, 99]))  # fmt: skip
+        return LoopResult(
+            clients, len(self.ok_ms) / seconds, self.refused / seconds, self.other, *np.percentile(lat, [50, 99])
+        )
 
 
-async def _loops(client, texts: list[str], counter, *, clients: int, size: int, window: tuple[float, float],
-                 parameters: dict | None = None, model: str = "embed") -> _Tally:  # fmt: skip
+async def _loops(
+    client,
+    texts: list[str],
+    counter,
+    *,
+    clients: int,
+    size: int,
+    window: tuple[float, float],
+    parameters: dict | None = None,
+    model: str = "embed",
+) -> _Tally:
     """``clients`` loops sending ``size`` new texts per request to ``model`` until ``window`` ends.
 
     With request ``parameters``; tallies the sends inside the window.
@@ -70,8 +80,9 @@ async def _loops(client, texts: list[str], counter, *, clients: int, size: int, 
     return tally
 
 
-async def loop_groups(url: str, texts: list[str], groups: list[tuple], seconds: float,
-                       warmup_s: float) -> list[LoopResult]:  # fmt: skip
+async def loop_groups(
+    url: str, texts: list[str], groups: list[tuple], seconds: float, warmup_s: float
+) -> list[LoopResult]:
     """Run each group of (loops, texts per request, request parameters[, model]) at once on one gRPC client.
 
     The model defaults to ``embed``; one :class:`LoopResult` per group.
@@ -93,7 +104,7 @@ async def loop_groups(url: str, texts: list[str], groups: list[tuple], seconds: 
                 window=window,
                 parameters=group[2],
                 model=group[3] if len(group) > 3 else "embed",
-            )  # fmt: skip
+            )
             for group in groups
         )
     )
@@ -107,8 +118,9 @@ async def no_backoff_loop(url: str, texts: list[str], clients: int, seconds: flo
     return result
 
 
-async def beside_bulk_loops(url: str, texts: list[str], clients: int, seconds: float, *, bulk: tuple[int, int],
-                            warmup_s: float = 2.0) -> tuple[LoopResult, LoopResult]:  # fmt: skip
+async def beside_bulk_loops(
+    url: str, texts: list[str], clients: int, seconds: float, *, bulk: tuple[int, int], warmup_s: float = 2.0
+) -> tuple[LoopResult, LoopResult]:
     """:func:`no_backoff_loop` beside ``bulk`` = (loops, texts per request) loops of large requests.
 
     Returns the one-text loops' result and the bulk loops' (their successes/s count requests, not texts).
@@ -117,7 +129,8 @@ async def beside_bulk_loops(url: str, texts: list[str], clients: int, seconds: f
     return one, big
 
 
-async def model_loops(url: str, texts: list[str], groups: list[tuple[str, int, int]], seconds: float,
-                      warmup_s: float = 2.0) -> list[LoopResult]:  # fmt: skip
+async def model_loops(
+    url: str, texts: list[str], groups: list[tuple[str, int, int]], seconds: float, warmup_s: float = 2.0
+) -> list[LoopResult]:
     """No-backoff loops at several models at once: per group (model, loops, texts per request), one result each."""
     return await loop_groups(url, texts, [(n, size, None, model) for model, n, size in groups], seconds, warmup_s)

@@ -76,8 +76,20 @@ def run_wrk(http_url: str, texts_file: Path, connections: int, duration_s: int, 
 
     Raises RuntimeError when wrk fails or prints no result.
     """
-    command = ["wrk", "-t2", f"-c{connections}", f"-d{duration_s}s", "--timeout", "30s", "-s", str(WRK_SCRIPT),
-               f"http://{http_url}/v2/models/embed/infer", "--", str(texts_file), *map(str, script_args)]  # fmt: skip
+    command = [
+        "wrk",
+        "-t2",
+        f"-c{connections}",
+        f"-d{duration_s}s",
+        "--timeout",
+        "30s",
+        "-s",
+        str(WRK_SCRIPT),
+        f"http://{http_url}/v2/models/embed/infer",
+        "--",
+        str(texts_file),
+        *map(str, script_args),
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 60, check=False)  # noqa: S603
     line = next((x for x in run.stdout.splitlines() if x.startswith("WRK_RESULT ")), None)
     if run.returncode != 0 or line is None:
@@ -85,8 +97,15 @@ def run_wrk(http_url: str, texts_file: Path, connections: int, duration_s: int, 
     return json.loads(line.removeprefix("WRK_RESULT "))
 
 
-def wrk_loop(http_url: str, texts_file: Path, connections: int, seconds: float, warmup_s: float = 2.0, *,
-             budget_off: bool = False) -> LoopResult:  # fmt: skip
+def wrk_loop(
+    http_url: str,
+    texts_file: Path,
+    connections: int,
+    seconds: float,
+    warmup_s: float = 2.0,
+    *,
+    budget_off: bool = False,
+) -> LoopResult:
     """``connections`` HTTP clients in wrk (C) that send again the moment an answer or a refusal comes back.
 
     Counts the answers received from ``warmup_s`` to ``warmup_s + seconds`` after wrk starts; the accepted latency
@@ -194,57 +213,81 @@ class Base:
     capacity: float
 
 
-def floods(server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, *, http: Base, grpc: Base,
-           label: str) -> None:  # fmt: skip
+def floods(
+    server, texts: list[str], wrk_texts: Path, args: argparse.Namespace, *, http: Base, grpc: Base, label: str
+) -> None:
     """Print the no-backoff loops and the Poisson bursts against ``server``, each table labelled with ``label``.
 
     Each load runs twice: from wrk (C, HTTP) against ``http``'s figures and from Python asyncio gRPC clients against
     ``grpc``'s, both on the server's cores.
     """
     print(f"\nno-backoff closed loops (retry at once), {label}:")
-    print("| clients | client | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors "
-          "| server cores | client cores |")  # fmt: skip
+    print(
+        "| clients | client | successes/s | x best sweep | refusals/s | accepted p50 | p99 ms | other errors "
+        "| server cores | client cores |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for clients in (int(x) for x in args.loops.split(",")):
         for name, base, loop in (
             ("wrk, HTTP", http, lambda c=clients: wrk_loop(server.http_url, wrk_texts, c, args.loop_s)),
-            ("asyncio, gRPC", grpc,
-             lambda c=clients: asyncio.run(no_backoff_loop(server.grpc_url, texts, c, args.loop_s))),
-        ):  # fmt: skip
+            (
+                "asyncio, gRPC",
+                grpc,
+                lambda c=clients: asyncio.run(no_backoff_loop(server.grpc_url, texts, c, args.loop_s)),
+            ),
+        ):
             time.sleep(2)
             r, server_cores, client_cores = with_cores(loop, server.pid, child_client=name.startswith("wrk"))
-            print(f"| {r.clients} | {name} | {r.ok_per_s:.0f} | {r.ok_per_s / base.best:.2f} | {r.refused_per_s:.0f} | "
-                  f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} | {server_cores:.2f} | {client_cores:.2f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {r.clients} | {name} | {r.ok_per_s:.0f} | {r.ok_per_s / base.best:.2f} | {r.refused_per_s:.0f} | "
+                f"{r.p50_ms:.0f} | {r.p99_ms:.0f} | {r.other_errors} | {server_cores:.2f} | {client_cores:.2f} |",
+                flush=True,
+            )
     if args.bulk:
         loops, size = args.bulk
         print(f"\none-text loops beside {loops} loops of {size}-text requests, both retrying at once, gRPC, {label}:")
-        print("| one-text clients | successes/s | refusals/s | accepted p50 ms | p99 ms | bulk texts/s "
-              "| bulk refusals/s | bulk accepted p99 ms |")  # fmt: skip
+        print(
+            "| one-text clients | successes/s | refusals/s | accepted p50 ms | p99 ms | bulk texts/s "
+            "| bulk refusals/s | bulk accepted p99 ms |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for clients in (8, 32):
             time.sleep(2)
             one, big = asyncio.run(beside_bulk_loops(server.grpc_url, texts, clients, args.loop_s, bulk=args.bulk))
-            print(f"| {clients} | {one.ok_per_s:.0f} | {one.refused_per_s:.0f} | {one.p50_ms:.0f} | {one.p99_ms:.0f} | "
-                  f"{big.ok_per_s * size:.0f} | {big.refused_per_s:.0f} | {big.p99_ms:.0f} |", flush=True)  # fmt: skip
-    print(f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity: HTTP {http.capacity:.0f}, gRPC "
-          f"{grpc.capacity:.0f} req/s), {label}:")  # fmt: skip
-    print("| offered | client | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s "
-          "| late sends | server cores | client cores |")  # fmt: skip
+            print(
+                f"| {clients} | {one.ok_per_s:.0f} | {one.refused_per_s:.0f} | {one.p50_ms:.0f} | {one.p99_ms:.0f} | "
+                f"{big.ok_per_s * size:.0f} | {big.refused_per_s:.0f} | {big.p99_ms:.0f} |",
+                flush=True,
+            )
+    print(
+        f"\nopen-loop Poisson bursts, {args.burst_s:g} s each (capacity: HTTP {http.capacity:.0f}, gRPC "
+        f"{grpc.capacity:.0f} req/s), {label}:"
+    )
+    print(
+        "| offered | client | sent | successes/s | x capacity | refused | unanswered | accepted p99 after 1 s "
+        "| late sends | server cores | client cores |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for factor in (float(x) for x in args.rates.split(",")):
         for name, base, burst in (
             ("wrk, HTTP", http, lambda rate: wrk_poisson(server.http_url, wrk_texts, rate, args.burst_s)),
-            ("asyncio, gRPC", grpc, lambda rate: asyncio.run(poisson_burst(server.grpc_url, texts[::-1], rate,
-                                                                             args.burst_s))),
-        ):  # fmt: skip
+            (
+                "asyncio, gRPC",
+                grpc,
+                lambda rate: asyncio.run(poisson_burst(server.grpc_url, texts[::-1], rate, args.burst_s)),
+            ),
+        ):
             time.sleep(3)
             rate = factor * base.capacity
-            r, server_cores, client_cores = with_cores(lambda rate=rate, burst=burst: burst(rate), server.pid,
-                                                       child_client=name.startswith("wrk"))  # fmt: skip
-            print(f"| {factor:g}x = {rate:.0f}/s | {name} | {r.sent} | {r.ok_per_s:.0f} | "
-                  f"{r.ok_per_s / base.capacity:.2f} | {r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms | "
-                  f"{r.late} | {server_cores:.2f} | {client_cores:.2f} |", flush=True)  # fmt: skip
+            r, server_cores, client_cores = with_cores(
+                lambda rate=rate, burst=burst: burst(rate), server.pid, child_client=name.startswith("wrk")
+            )
+            print(
+                f"| {factor:g}x = {rate:.0f}/s | {name} | {r.sent} | {r.ok_per_s:.0f} | "
+                f"{r.ok_per_s / base.capacity:.2f} | {r.refused} | {r.unanswered} | {r.p99_after_1s_ms:.0f} ms | "
+                f"{r.late} | {server_cores:.2f} | {client_cores:.2f} |",
+                flush=True,
+            )
 
 
 LOOP_TEXTS = 20_000
@@ -273,13 +316,18 @@ def alternating_floods(servers: dict[str, object], wrk_texts: Path, texts: list[
 
     loads = []
     for c in (int(x) for x in args.loops.split(",")):
-        loads += [(f"{c} retrying at once, wrk HTTP",
-                   lambda srv, c=c: wrk_loop(srv.http_url, wrk_texts, c, args.loop_s)),
-                  (f"{c} retrying at once, asyncio gRPC", lambda srv, c=c: grpc_loop(srv, c))]  # fmt: skip
+        loads += [
+            (f"{c} retrying at once, wrk HTTP", lambda srv, c=c: wrk_loop(srv.http_url, wrk_texts, c, args.loop_s)),
+            (f"{c} retrying at once, asyncio gRPC", lambda srv, c=c: grpc_loop(srv, c)),
+        ]
     if args.capacity:
-        loads += [(f"Poisson {f:g}x = {f * args.capacity:.0f}/s",
-                   lambda srv, f=f: wrk_poisson(srv.http_url, wrk_texts, f * args.capacity, args.burst_s))
-                  for f in (float(x) for x in args.rates.split(","))]  # fmt: skip
+        loads += [
+            (
+                f"Poisson {f:g}x = {f * args.capacity:.0f}/s",
+                lambda srv, f=f: wrk_poisson(srv.http_url, wrk_texts, f * args.capacity, args.burst_s),
+            )
+            for f in (float(x) for x in args.rates.split(","))
+        ]
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     print("| round | load | server | successes/s | accepted p99 ms |")
     print("|---|---|---|---|---|")
@@ -295,8 +343,10 @@ def alternating_floods(servers: dict[str, object], wrk_texts: Path, texts: list[
     print("|---|---|---|---|---|")
     for (load, label), rs in runs.items():
         each = "; ".join(f"{ok:.0f}, {p99:.0f}" for ok, p99 in rs)
-        print(f"| {load} | {label} | {np.median([ok for ok, _ in rs]):.0f} | {np.median([p for _, p in rs]):.0f} | "
-              f"{each} |")  # fmt: skip
+        print(
+            f"| {load} | {label} | {np.median([ok for ok, _ in rs]):.0f} | {np.median([p for _, p in rs]):.0f} | "
+            f"{each} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, printed in order
@@ -317,13 +367,27 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
     )
     parser.add_argument("--skip-sweep", action="store_true", help="no perf_analyzer; needs --capacity")
     parser.add_argument("--capacity", type=float, default=0.0, help="req/s, when the sweep is skipped")
-    parser.add_argument("--compare", default="MAX_IN_FLIGHT=0", metavar="KNOB=VALUE",
-                        help="the encoder knob KNOB=VALUE of a second server the floods run against")  # fmt: skip
-    parser.add_argument("--no-compare", dest="compare", action="store_const", const="",
-                        help="run the floods against the shipped server only")  # fmt: skip
-    parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
-                        help="only wrk's floods (Poisson too with --capacity), against the shipped server and the "
-                        "--compare one in turn, ROUNDS times")  # fmt: skip
+    parser.add_argument(
+        "--compare",
+        default="MAX_IN_FLIGHT=0",
+        metavar="KNOB=VALUE",
+        help="the encoder knob KNOB=VALUE of a second server the floods run against",
+    )
+    parser.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_const",
+        const="",
+        help="run the floods against the shipped server only",
+    )
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only wrk's floods (Poisson too with --capacity), against the shipped server and the "
+        "--compare one in turn, ROUNDS times",
+    )
     args = parser.parse_args(argv)
     knob, _, value = args.compare.partition("=")
     if args.compare and not (knob and value):
@@ -336,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
             parser.error("--alternate needs a --compare KNOB=VALUE")
         with contextlib.ExitStack() as stack:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=scratch)))
-            servers = {"shipped": stack.enter_context(served(tmp, "shipped")),
-                       f"{knob} {value}": stack.enter_context(served(tmp, "compared", compared))}  # fmt: skip
+            servers = {
+                "shipped": stack.enter_context(served(tmp, "shipped")),
+                f"{knob} {value}": stack.enter_context(served(tmp, "compared", compared)),
+            }
             wrk_texts = write_wrk_texts(tmp / "wrk-texts.txt", unique_texts(20_000, "wrk"))
             loop_texts = unique_texts(LOOP_TEXTS * len(servers) * args.alternate * len(args.loops.split(",")), "loop")
             alternating_floods(servers, wrk_texts, loop_texts, args)
@@ -359,21 +425,28 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, prin
                     off.append(perf_analyzer_level(port, data, c, budget_off=True))
                     on.append(perf_analyzer_level(port, data, c, budget_off=False))
                     a, b = off[-1], on[-1]
-                    print(f"| {c} | {a.throughput:.0f} | {a.p99_ms:.0f} | {b.throughput:.0f} | {b.p99_ms:.0f} | "
-                          f"{b.outcome()} |", flush=True)  # fmt: skip
+                    print(
+                        f"| {c} | {a.throughput:.0f} | {a.p99_ms:.0f} | {b.throughput:.0f} | {b.p99_ms:.0f} | "
+                        f"{b.outcome()} |",
+                        flush=True,
+                    )
             within = [a for a in off if a.p99_ms <= SLA_MS and not a.error]
             knee = max((a.concurrency for a in within), default=0)
             capacity = args.capacity or max((a.throughput for a in within), default=0.0)
             best_shipped = max((b.throughput for b in on if not b.error), default=capacity)
             refused_below_knee = [b.concurrency for b in on if b.concurrency <= knee and b.refused]
-            print(f"\nknee (p99 <= {SLA_MS:g} ms, refusals off): concurrency {knee}; capacity {capacity:.0f} req/s; "
-                  f"levels up to the knee refused: {refused_below_knee or 'none'}")  # fmt: skip
+            print(
+                f"\nknee (p99 <= {SLA_MS:g} ms, refusals off): concurrency {knee}; capacity {capacity:.0f} req/s; "
+                f"levels up to the knee refused: {refused_below_knee or 'none'}"
+            )
 
             if knee and not args.skip_sweep:
                 time.sleep(5)  # an idle spell, then the knee again
                 again = perf_analyzer_level(port, data, knee, budget_off=False)
-                print(f"after 5 s idle, concurrency {knee}: {again.throughput:.0f} infer/s, p99 {again.p99_ms:.0f} ms, "
-                      f"refusals: {again.outcome()}")  # fmt: skip
+                print(
+                    f"after 5 s idle, concurrency {knee}: {again.throughput:.0f} infer/s, p99 {again.p99_ms:.0f} ms, "
+                    f"refusals: {again.outcome()}"
+                )
 
             wrk_texts = write_wrk_texts(Path(tmp) / "wrk-texts.txt", unique_texts(10_000, "wrk"))
             print("\nwrk closed loop, HTTP, one new sentence per request, latency_budget_ms 0 (never refused):")

@@ -47,10 +47,31 @@ def perf_analyzer_level(grpc_port: int, data: Path, concurrency: int, *, budget_
     A level whose measurement does not settle (a noisy machine) is run again, up to ``tries`` times in all.
     """
     csv = data.with_suffix(f".{concurrency}.{int(budget_off)}.csv")
-    command = [str(PERF_ANALYZER), "-m", "embed", "-i", "grpc", "-u", f"127.0.0.1:{grpc_port}",
-               "--input-data", str(data), "--concurrency-range", str(concurrency), "--percentile", "99",
-               "--measurement-mode", "count_windows", "--measurement-request-count", "500", "--max-trials", "6",
-               "--stability-percentage", "25", "-f", str(csv)]  # fmt: skip
+    command = [
+        str(PERF_ANALYZER),
+        "-m",
+        "embed",
+        "-i",
+        "grpc",
+        "-u",
+        f"127.0.0.1:{grpc_port}",
+        "--input-data",
+        str(data),
+        "--concurrency-range",
+        str(concurrency),
+        "--percentile",
+        "99",
+        "--measurement-mode",
+        "count_windows",
+        "--measurement-request-count",
+        "500",
+        "--max-trials",
+        "6",
+        "--stability-percentage",
+        "25",
+        "-f",
+        str(csv),
+    ]
     if budget_off:
         command += ["--request-parameter", "latency_budget_ms:0:int"]
     run = subprocess.run(command, cwd=data.parent, capture_output=True, text=True, timeout=600, check=False)  # noqa: S603

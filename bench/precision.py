@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                 for c in levels:
                     swept.append(perf_analyzer_level(port, data, c, budget_off=True))
                     lv = swept[-1]
-                    print(f"{name} ({served['precision']}) concurrency {c}: {lv.throughput:.0f} infer/s, "
-                          f"p99 {lv.p99_ms:.0f} ms {lv.error}", flush=True)  # fmt: skip
+                    print(
+                        f"{name} ({served['precision']}) concurrency {c}: {lv.throughput:.0f} infer/s, "
+                        f"p99 {lv.p99_ms:.0f} ms {lv.error}",
+                        flush=True,
+                    )
             results[name] = (f"{served['precision']}, min cosine {served['min_cosine']:.6f}", swept)
 
     print(
@@ -84,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {c} | {cells} |")
     print()
     for bound in BOUNDS_MS:
-        parts = [f"{n} {best(swept, bound):.0f} infer/s = {best(swept, bound) / ceiling:.2f}x the ceiling"
-                 for n, (_, swept) in results.items()]  # fmt: skip
+        parts = [
+            f"{n} {best(swept, bound):.0f} infer/s = {best(swept, bound) / ceiling:.2f}x the ceiling"
+            for n, (_, swept) in results.items()
+        ]
         print(f"best at p99 <= {bound:g} ms: " + "; ".join(parts))
     return 0
 

@@ -64,16 +64,39 @@ def infinity_levels(model_dir: Path, requests, size: int, *, levels: list[int], 
     from triton_embed_server.embedded import free_port
 
     port = free_port()
-    command = [str(INFINITY), "v2", "--model-id", str(model_dir), "--served-model-name", "rerank", "--engine", "torch",
-               "--device", "cpu", "--dtype", "float32", "--no-vector-disk-cache", "--host", "127.0.0.1", "--port",
-               str(port), "--log-level", "warning"]  # fmt: skip
+    command = [
+        str(INFINITY),
+        "v2",
+        "--model-id",
+        str(model_dir),
+        "--served-model-name",
+        "rerank",
+        "--engine",
+        "torch",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-vector-disk-cache",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     offline = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0"}
     proc = subprocess.Popen(command, env={**os.environ, **offline})  # noqa: S603 - the pinned peer
     try:
         wait_http("127.0.0.1", port, "/health", timeout_s=180)
         query, docs = requests()
-        answer = json.loads(post_json(http.client.HTTPConnection("127.0.0.1", port, timeout=60), "/rerank",
-                                      {"model": "rerank", "query": query, "documents": docs}))  # fmt: skip
+        answer = json.loads(
+            post_json(
+                http.client.HTTPConnection("127.0.0.1", port, timeout=60),
+                "/rerank",
+                {"model": "rerank", "query": query, "documents": docs},
+            )
+        )
         got = np.array([r["relevance_score"] for r in sorted(answer["results"], key=lambda r: r["index"])])
         reference = CrossEncoder(str(model_dir), device="cpu").predict([(query, d) for d in docs])
         agreement = float(np.abs(got - reference).max())
@@ -93,9 +116,15 @@ def infinity_levels(model_dir: Path, requests, size: int, *, levels: list[int], 
 
 
 def measure(
-    texts: list[str], sizes: list[int], levels: list[int], *, duration_s: float, sla_ms: float,
-    precision: str = "auto", work: Path = RERANK_WORK,
-) -> dict:  # fmt: skip
+    texts: list[str],
+    sizes: list[int],
+    levels: list[int],
+    *,
+    duration_s: float,
+    sla_ms: float,
+    precision: str = "auto",
+    work: Path = RERANK_WORK,
+) -> dict:
     """Export the stand-in at ``precision`` into a served repository, sweep it and its peers per size of ``sizes``.
 
     ``texts``: queries (the first half, shuffled) and documents (the rest). Returns ``{"precision", "reason",
@@ -116,8 +145,9 @@ def measure(
     with tempfile.TemporaryDirectory() as tmp:
         manifest = exporter.export(model_dir, Path(tmp) / "repo", precision=precision, name="rerank")
         print(f"served at {manifest.precision} ({manifest.precision_reason})")
-        with EmbeddedServer(model_repository=Path(tmp) / "repo", http_port=0, grpc_port=0, metrics_port=0,
-                            log_file=Path(tmp) / "log") as server:  # fmt: skip
+        with EmbeddedServer(
+            model_repository=Path(tmp) / "repo", http_port=0, grpc_port=0, metrics_port=0, log_file=Path(tmp) / "log"
+        ) as server:
             fresh = itertools.count()  # every request a query never sent before: no response cache hits
             for size in sizes:
 
@@ -134,10 +164,15 @@ def measure(
                 print(f"served, {size} documents per request:")
                 levels_run = sweep(make_sender, queries, levels=levels, duration_s=duration_s, sla_ms=sla_ms)
                 best = best_under_sla(levels_run, sla_ms)
-                row = {"documents": size, "served": best.throughput * size if best else 0.0,
-                       "concurrency": best.concurrency if best else None, "p99_ms": best.p99_ms if best else None,
-                       "ceiling": ceiling(model_dir, queries, documents, size, duration_s),
-                       "infinity": None, "infinity_score_diff": None}  # fmt: skip
+                row = {
+                    "documents": size,
+                    "served": best.throughput * size if best else 0.0,
+                    "concurrency": best.concurrency if best else None,
+                    "p99_ms": best.p99_ms if best else None,
+                    "ceiling": ceiling(model_dir, queries, documents, size, duration_s),
+                    "infinity": None,
+                    "infinity_score_diff": None,
+                }
                 if INFINITY.exists():
                     peer, row["infinity_score_diff"] = infinity_levels(
                         model_dir, requests, size, levels=levels, duration_s=duration_s, sla_ms=sla_ms
@@ -187,8 +222,15 @@ def main(argv: list[str] | None = None) -> int:
 
     native = ", ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "no native bf16"
     print(f"machine: {platform.machine()}, {cpu_model()} ({native}), {os.cpu_count()} CPUs, no GPU")
-    result = measure(texts, args.sizes, args.levels, duration_s=args.duration, sla_ms=args.sla_ms,
-                     precision=args.precision, work=args.work)  # fmt: skip
+    result = measure(
+        texts,
+        args.sizes,
+        args.levels,
+        duration_s=args.duration,
+        sla_ms=args.sla_ms,
+        precision=args.precision,
+        work=args.work,
+    )
     print("\n" + markdown(result))
     return 0
 

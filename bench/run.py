@@ -106,8 +106,10 @@ def infinity_system(texts: list[str], levels: list[int], duration: float, sla: f
         reference = SentenceTransformer(str(get_model_path()), device="cpu").encode(texts[:64], batch_size=32)
         version = subprocess.run(  # noqa: S603 - the pinned peer
             [str(INFINITY.parent / "python"), "-c", "import importlib.metadata as m; print(m.version('infinity_emb'))"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
 
         def make_sender() -> Callable[[str], None]:
             return json_sender(port, "/embeddings", lambda text: {"model": name, "input": [text]})
@@ -207,8 +209,9 @@ def perf_analyzer_sweep(texts: list[str], levels: list[int], precision: str = "a
     out: dict = {"levels": []}
     with tempfile.TemporaryDirectory() as tmp:
         repo = variant_repository(Path(tmp) / "repo", None, precision=precision)
-        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                            log_file=Path(tmp) / "tritonserver.log") as srv:  # fmt: skip
+        with EmbeddedServer(
+            model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=Path(tmp) / "tritonserver.log"
+        ) as srv:
             port = int(srv.grpc_url.rsplit(":", 1)[1])
             for k, concurrency in enumerate(levels):
                 data = Path(tmp) / f"texts-{k}.json"
@@ -216,8 +219,11 @@ def perf_analyzer_sweep(texts: list[str], levels: list[int], precision: str = "a
                 data.write_text(json.dumps(perf_analyzer_data(tagged)))
                 level = perf_analyzer_level(port, data, concurrency, budget_off=False)
                 out["levels"].append(asdict(level))
-                print(f"  perf_analyzer {concurrency}: {level.throughput:.0f} infer/s, p99 {level.p99_ms:.0f} ms "
-                      f"{level.error[:120]}", flush=True)  # fmt: skip
+                print(
+                    f"  perf_analyzer {concurrency}: {level.throughput:.0f} infer/s, p99 {level.p99_ms:.0f} ms "
+                    f"{level.error[:120]}",
+                    flush=True,
+                )
                 if level.error:
                     break
             out["door"] = door(srv.metrics_url)
@@ -383,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracing-rounds", type=int, default=3, help="rounds per tracing setting (0: none)")
     parser.add_argument("--tracing-concurrency", type=int, default=16, help="callers in the tracing rounds")
     parser.add_argument("--out", type=Path, default=None, help="folder (default bench/runs/<time>/)")
-    parser.add_argument("--pa-levels", default="16,24,32,40,48,64",
-                        help="perf_analyzer's levels on the default model where installed ('': none)")  # fmt: skip
+    parser.add_argument(
+        "--pa-levels",
+        default="16,24,32,40,48,64",
+        help="perf_analyzer's levels on the default model where installed ('': none)",
+    )
     parser.add_argument("--rerank-sizes", default="16,64", help="documents per rerank request ('': none)")
     parser.add_argument("--rerank-levels", default="1,2,4,8,16", help="concurrency levels of the rerank sweeps")
     args = parser.parse_args(argv)

@@ -112,9 +112,11 @@ def variant_repository(
     src = source or exporter.DEFAULT_MODEL_REPOSITORY
     for step in ("embed", "tokenizer", "encoder"):
         shutil.copytree(
-            src / step, dst / step, symlinks=True,
+            src / step,
+            dst / step,
+            symlinks=True,
             ignore=lambda folder, names: [n for n in names if n.endswith((".pt", ".json"))],
-        )  # fmt: skip
+        )
     if precision is None:
         for name in exporter.ARTIFACTS:
             (dst / name).symlink_to(src / name)
@@ -155,8 +157,9 @@ def served(folder: Path, name: str, knobs: dict[tuple[str, str], str] | None = N
     from triton_embed_server.embedded import EmbeddedServer
 
     repo = variant_repository(folder / f"repo-{name}", knobs=knobs, source=source)
-    return EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                          log_file=folder / f"tritonserver-{name}.log")  # fmt: skip
+    return EmbeddedServer(
+        model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=folder / f"tritonserver-{name}.log"
+    )
 
 
 def door(metrics_url: str) -> float | None:

@@ -51,8 +51,15 @@ def stack(name: str, sink: str, folder: Path) -> Iterator[tuple[int, EmbeddedSer
     if name == "all":
         env["OTEL_TRACES_SAMPLER"] = "parentbased_always_on"
     repo = variant_repository(folder / name, None)
-    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, admin_key=ADMIN_KEY,
-                        log_file=folder / f"{name}.log", extra_args=triton_trace_args(env)) as server:  # fmt: skip
+    with EmbeddedServer(
+        model_repository=repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        admin_key=ADMIN_KEY,
+        log_file=folder / f"{name}.log",
+        extra_args=triton_trace_args(env),
+    ) as server:
         port = free_port()
         command = [sys.executable, "-m", "triton_embed_gateway", "--triton", server.grpc_url, "--port", str(port)]
         scrubbed = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRITON_EMBED_TRACE_"))}
@@ -94,12 +101,22 @@ def measure(texts: list[str], concurrency: int, rounds: int, duration_s: float, 
                 rotated = texts[start:] + texts[:start]
                 level = closed_loop(lambda p=ports[name]: sender(p), rotated, concurrency, duration_s, warmup_s)
                 exit_code = started[name][1].exit_code  # a crash of tritonserver, not of ours (markdown)
-                results[name].append({"throughput": level.throughput, "p50_ms": level.p50_ms, "p99_ms": level.p99_ms,
-                                      "errors": level.errors, "triton_exit": exit_code,
-                                      "share": share_traced(ports[name])})  # fmt: skip
+                results[name].append(
+                    {
+                        "throughput": level.throughput,
+                        "p50_ms": level.p50_ms,
+                        "p99_ms": level.p99_ms,
+                        "errors": level.errors,
+                        "triton_exit": exit_code,
+                        "share": share_traced(ports[name]),
+                    }
+                )
                 shared = "-" if name == "off" else f"{results[name][-1]['share']:.3g}"
-                print(f"  round {k + 1} {name}: {level.throughput:.1f} req/s, p99 {level.p99_ms:.0f} ms, "
-                      f"share traced {shared}", flush=True)  # fmt: skip
+                print(
+                    f"  round {k + 1} {name}: {level.throughput:.1f} req/s, p99 {level.p99_ms:.0f} ms, "
+                    f"share traced {shared}",
+                    flush=True,
+                )
         exports = len(sink.requests)
     out: dict = {"concurrency": concurrency, "rounds": rounds, "duration_s": duration_s, "exports": exports}
     clean = {name: [r for r in results[name] if not r["errors"] and r["throughput"] > 0] for name in STACKS}
@@ -108,12 +125,14 @@ def measure(texts: list[str], concurrency: int, rounds: int, duration_s: float, 
         rs = clean[name]  # medians over the rounds without a failed request; markdown names the others
         median = statistics.median(r["throughput"] for r in rs) if rs else float("nan")
         out[name] = {
-            "rounds": results[name], "failed_rounds": len(results[name]) - len(rs),
-            "throughput": median, "x_off": median / base,
+            "rounds": results[name],
+            "failed_rounds": len(results[name]) - len(rs),
+            "throughput": median,
+            "x_off": median / base,
             "p50_ms": statistics.median(r["p50_ms"] for r in rs) if rs else float("nan"),
             "p99_ms": statistics.median(r["p99_ms"] for r in rs) if rs else float("nan"),
             "share": statistics.median(r["share"] for r in rs) if rs else float("nan"),
-        }  # fmt: skip
+        }
     return out
 
 
@@ -133,18 +152,26 @@ def markdown(result: dict) -> str:
         if r["failed_rounds"]:
             errors = sum(round_["errors"] for round_ in r["rounds"])
             died = next((round_["triton_exit"] for round_ in r["rounds"] if round_["triton_exit"] is not None), None)
-            cause = "" if died is None else (
-                f"; tritonserver exited with status {died}, its known crash with every request traced: "
-                "docs/troubleshooting.md"
-            )  # fmt: skip
-            failed.append(f"{names[name]}: {r['failed_rounds']} of {len(r['rounds'])} rounds had failed requests "
-                          f"({errors} in all{cause}) and are left out of its medians")  # fmt: skip
+            cause = (
+                ""
+                if died is None
+                else (
+                    f"; tritonserver exited with status {died}, its known crash with every request traced: "
+                    "docs/troubleshooting.md"
+                )
+            )
+            failed.append(
+                f"{names[name]}: {r['failed_rounds']} of {len(r['rounds'])} rounds had failed requests "
+                f"({errors} in all{cause}) and are left out of its medians"
+            )
         if r["failed_rounds"] == len(r["rounds"]):
             lines.append(f"| {names[name]} | every round failed | - | - | - | - |")
             continue
         share = "0" if name == "off" else f"{r['share']:.3g}"
-        lines.append(f"| {names[name]} | {r['throughput']:.1f} | {r['x_off']:.3f} | {r['p50_ms']:.1f} | "
-                     f"{r['p99_ms']:.1f} | {share} |")  # fmt: skip
+        lines.append(
+            f"| {names[name]} | {r['throughput']:.1f} | {r['x_off']:.3f} | {r['p50_ms']:.1f} | "
+            f"{r['p99_ms']:.1f} | {share} |"
+        )
     if failed:
         lines += ["", "; ".join(failed) + "."]
     return "\n".join(lines) + "\n"

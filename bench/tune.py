@@ -160,8 +160,12 @@ def best(rows: list[tuple[int, float, float]], sla_ms: float) -> Figure | None:
 def main(argv: list[str] | None = None) -> int:
     """Serve and sweep every candidate, print the table, write the best into the repository's encoder config."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repository", type=Path, default=ROOT / ".build" / "model_repository",
-                        help="the served repository whose embed model to tune (make model writes it)")  # fmt: skip
+    parser.add_argument(
+        "--repository",
+        type=Path,
+        default=ROOT / ".build" / "model_repository",
+        help="the served repository whose embed model to tune (make model writes it)",
+    )
     parser.add_argument("--corpus", default=None, help="texts, one a line (default: STS Benchmark train + dev)")
     parser.add_argument("--levels", default="4,8,16,24,32,48,64", help="closed-loop concurrencies")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per level (bench client)")
@@ -194,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {candidate.label()}:", flush=True)
             repo = candidate_repository(Path(tmp) / f"repo-{n}", candidate, args.repository)
             texts = unique_texts(20_000 * len(levels), f"tune{n}-{os.getpid()}", args.corpus)
-            with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                                log_file=Path(tmp) / f"log-{n}") as server:  # fmt: skip
-                rows = sweep(server, texts, levels=levels, seconds=args.seconds, sla_ms=args.sla_ms, tool=tool,
-                             scratch=Path(tmp))  # fmt: skip
+            with EmbeddedServer(
+                model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=Path(tmp) / f"log-{n}"
+            ) as server:
+                rows = sweep(
+                    server, texts, levels=levels, seconds=args.seconds, sla_ms=args.sla_ms, tool=tool, scratch=Path(tmp)
+                )
                 figures[candidate] = best(rows, args.sla_ms)
     lines = [f"best closed-loop throughput of one-text requests at p99 <= {args.sla_ms:g} ms ({tool}, {cores} cores):"]
     for candidate, figure in figures.items():

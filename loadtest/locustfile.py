@@ -37,14 +37,17 @@ def add_options(parser) -> None:
     group.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port")
     group.add_argument("--model", default="embed", help="the ensemble to call")
     group.add_argument(
-        "--rerank-model", default=None,
+        "--rerank-model",
+        default=None,
         help="a reranker's ensemble: each user also reranks 8 texts against one (weight 2 of 13), same SLA",
-    )  # fmt: skip
+    )
     group.add_argument("--corpus", default=None, help="text file, one text per line (default: STS-B train+dev)")
     group.add_argument(
-        "--deck-seed", type=int, default=None,
+        "--deck-seed",
+        type=int,
+        default=None,
         help="order of the one-text requests' texts (default: random); with --deck-start, continue an earlier run",
-    )  # fmt: skip
+    )
     group.add_argument("--deck-start", type=int, default=0, help="texts of --deck-seed's order already sent")
     group.add_argument("--request-timeout-s", type=float, default=10.0, help="per-request timeout, seconds")
     group.add_argument("--sla-ms", type=float, default=200.0, help="p99 latency limit, ms (the SLA)")
@@ -55,9 +58,11 @@ def add_options(parser) -> None:
     group.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (refusals, GPU flags)")
     group.add_argument("--gpu-interval-s", type=float, default=0.5, help="NVML sampling interval, seconds")
     group.add_argument(
-        "--refusals-interval-s", type=float, default=1.0,
+        "--refusals-interval-s",
+        type=float,
+        default=1.0,
         help="seconds between reads of the refusal counter on Triton's /metrics (the report's timeline)",
-    )  # fmt: skip
+    )
     group.add_argument("--report-dir", default=None, help="run folder (default loadtest/runs/<time>/)")
 
 

@@ -286,8 +286,11 @@ def _refusal_lines(refusals: dict | None) -> list[str]:
     lines = ["", "## Refusals (window)", ""]
     w = refusals["window"] if refusals else None
     if w is None:
-        return [*lines, "No refusal figures: the server publishes no `triton_embed_shed_requests_total` (the "
-                "libtorch encoder) or `/metrics` was not readable (`--metrics-port`)."]  # fmt: skip
+        return [
+            *lines,
+            "No refusal figures: the server publishes no `triton_embed_shed_requests_total` (the "
+            "libtorch encoder) or `/metrics` was not readable (`--metrics-port`).",
+        ]
     run = refusals["run"]
     return [
         *lines,

@@ -48,8 +48,9 @@ class TimedEmbedder:
 
         Locust sees ``name`` = ``"<model> rerank x<documents>"``, ``response_length`` = 8 bytes per document.
         """
-        self._timed(f"{self.client.model} rerank x{len(documents)}",
-                    lambda: 8 * len(self.client.rerank(query, documents)))  # fmt: skip
+        self._timed(
+            f"{self.client.model} rerank x{len(documents)}", lambda: 8 * len(self.client.rerank(query, documents))
+        )
 
     def _timed(self, name: str, call) -> None:
         start = time.perf_counter()
@@ -97,8 +98,13 @@ class TritonUser(User):
         port = opts.grpc_port if self.protocol == "grpc" else opts.http_port
 
         def timed(model: str) -> TimedEmbedder:
-            client = EmbeddingClient(url=f"{opts.triton_host}:{port}", protocol=self.protocol, model=model,
-                                     timeout_s=opts.request_timeout_s, retries=0)  # fmt: skip
+            client = EmbeddingClient(
+                url=f"{opts.triton_host}:{port}",
+                protocol=self.protocol,
+                model=model,
+                timeout_s=opts.request_timeout_s,
+                retries=0,
+            )
             return TimedEmbedder(client, environment.events.request)
 
         self.embedder = timed(opts.model)

@@ -36,8 +36,14 @@ NGC_RELEASE = {"2.51.0": "24.10"}
 # PyTorch release of each NGC release's libtorch (NGC frameworks support matrix: 24.10 = PyTorch 2.5.0a0+e000cf0)
 NGC_PYTORCH = {"24.10": "2.5.0"}
 IMAGE_LOCK = ROOT / "docker" / "requirements-triton.lock"
-SETTINGS = ("ENCODER_CONFIG", "TRITON_BIND", "TRITON_EMBED_ADMIN_KEY", "TRITON_EMBED_WATCH_STUBS",
-            "GRAFANA_ADMIN_PASSWORD", "MODEL")  # fmt: skip
+SETTINGS = (
+    "ENCODER_CONFIG",
+    "TRITON_BIND",
+    "TRITON_EMBED_ADMIN_KEY",
+    "TRITON_EMBED_WATCH_STUBS",
+    "GRAFANA_ADMIN_PASSWORD",
+    "MODEL",
+)
 
 
 def tool(name: str) -> str:
@@ -54,9 +60,14 @@ def prometheus_running(tmp: Path, config: dict) -> Iterator[str]:
 
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    argv, preexec = _spawn_args([tool("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"])  # fmt: skip
+    argv, preexec = _spawn_args(
+        [
+            tool("prometheus"),
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+    )
     log = tmp / "prometheus.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: S603, PLW1509
@@ -122,9 +133,38 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase", "delta", "by", "without", "on",
-                "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset", "abs", "clamp_min",
-                "clamp_max", "histogram_quantile", "topk", "bottomk", "vector", "scalar", "time", "absent"}  # fmt: skip
+PROMQL_WORDS = {
+    "sum",
+    "max",
+    "min",
+    "avg",
+    "count",
+    "rate",
+    "irate",
+    "increase",
+    "delta",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "abs",
+    "clamp_min",
+    "clamp_max",
+    "histogram_quantile",
+    "topk",
+    "bottomk",
+    "vector",
+    "scalar",
+    "time",
+    "absent",
+}
 
 
 def metric_names_in(expr: str) -> set[str]:
@@ -206,9 +246,14 @@ def sync_model_repository(
     args = [str(configs), str(artifacts), str(dest), *([str(model)] if model else [])]
     env = os.environ | {"PYTHON": sys.executable, "MODELS": models, "MODELS_ROOT": str(models_root or tmp)}
     done = subprocess.run(
-        ["bash", "docker/sync-model-repository.sh", *args], cwd=ROOT, capture_output=True, text=True, check=False,
-        timeout=600, env=env,
-    )  # fmt: skip
+        ["bash", "docker/sync-model-repository.sh", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env=env,
+    )
     return dest, done
 
 

@@ -236,8 +236,9 @@ def held_repository(dst: Path, hold_s: float = HOLD_S) -> Path:
 
     repo = variant_repository(dst, None)
     config = repo / "tokenizer" / "config.pbtxt"
-    text, n = re.subn(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {int(hold_s * 1e6)}",
-                      config.read_text())  # fmt: skip
+    text, n = re.subn(
+        r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {int(hold_s * 1e6)}", config.read_text()
+    )
     assert n == 1, f"{config}: expected one max_queue_delay_microseconds, found {n}"
     config.write_text(text)
     return repo
@@ -342,8 +343,9 @@ class ServeRun:
 
     def server_pids(self) -> list[int]:
         """Every tritonserver it reported starting, first to last."""
-        return [int(p) for p in re.findall(r"(?:starting tritonserver|tritonserver restarted) \(pid (\d+)\)",
-                                           self.output())]  # fmt: skip
+        return [
+            int(p) for p in re.findall(r"(?:starting tritonserver|tritonserver restarted) \(pid (\d+)\)", self.output())
+        ]
 
     @property
     def server_pid(self) -> int:
@@ -377,8 +379,19 @@ def serve_running(log: Path, *args: str, new_session: bool = False, wait_ready: 
     from triton_embed_server.embedded import free_port
 
     ports = [str(free_port()) for _ in range(3)]
-    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0], "--grpc-port", ports[1],
-           "--metrics-port", ports[2], *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "triton_embed_server",
+        "serve",
+        "--http-port",
+        ports[0],
+        "--grpc-port",
+        ports[1],
+        "--metrics-port",
+        ports[2],
+        *args,
+    ]
     with open(log, "ab") as out:
         proc = subprocess.Popen(  # noqa: S603 - our own module
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=new_session

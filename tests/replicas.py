@@ -144,16 +144,34 @@ class Replica:
 
     def start(self) -> Replica:
         """Start serve in the namespace (it dies with this process: the parent-death signal)."""
-        command = ["ip", "netns", "exec", self.ns, sys.executable, "-m", "triton_embed_server", "serve",
-                   "--host", self.address, "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
-                   "--metrics-port", str(METRICS_PORT),
-                   *(["--model-repository", str(self.repository)] if self.repository else [])]  # fmt: skip
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            sys.executable,
+            "-m",
+            "triton_embed_server",
+            "serve",
+            "--host",
+            self.address,
+            "--http-port",
+            str(HTTP_PORT),
+            "--grpc-port",
+            str(GRPC_PORT),
+            "--metrics-port",
+            str(METRICS_PORT),
+            *(["--model-repository", str(self.repository)] if self.repository else []),
+        ]
         argv, preexec = _spawn_args(command)
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(  # noqa: S603 - our own module
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 preexec_fn=preexec,  # noqa: PLW1509 - None when setpriv is there (embedded._spawn_args)
-            )  # fmt: skip
+            )
         return self
 
     def is_ready(self) -> bool:
@@ -293,10 +311,14 @@ class Nginx:
 
         self.conf.write_text(
             NGINX_CONF.format(
-                tmp=self.tmp, user=getpass.getuser(), grpc_servers=servers(GRPC_PORT), http_servers=servers(HTTP_PORT),
-                grpc_port=self.grpc_port, http_port=self.http_port,
+                tmp=self.tmp,
+                user=getpass.getuser(),
+                grpc_servers=servers(GRPC_PORT),
+                http_servers=servers(HTTP_PORT),
+                grpc_port=self.grpc_port,
+                http_port=self.http_port,
             )
-        )  # fmt: skip
+        )
 
     def check(self) -> subprocess.CompletedProcess:
         return subprocess.run([tool("nginx"), "-t", "-c", str(self.conf)], capture_output=True, text=True, check=False)
@@ -332,12 +354,16 @@ def scrape_config(replicas: list[Replica]) -> dict:
     PodMonitor labels them."""
     return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{
-            "job_name": "triton",
-            "static_configs": [{"targets": [r.metrics_target], "labels": {"namespace": K8S_NAMESPACE, "pod": r.name}}
-                               for r in replicas],
-        }],
-    }  # fmt: skip
+        "scrape_configs": [
+            {
+                "job_name": "triton",
+                "static_configs": [
+                    {"targets": [r.metrics_target], "labels": {"namespace": K8S_NAMESPACE, "pod": r.name}}
+                    for r in replicas
+                ],
+            }
+        ],
+    }
 
 
 def prom_query(base: str, query: str, at: float | None = None) -> dict[str, float]:

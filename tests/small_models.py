@@ -43,19 +43,19 @@ ARCHITECTURES: dict[str, Family] = {
         "roberta-bpe",
         config={"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
         covers="all-distilroberta-v1, stsb-roberta-*",
-    ),  # fmt: skip
+    ),
     "xlm-roberta": Family(
         "xlm-roberta",
         "unigram",
         config={"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
         covers="multilingual-e5-*, bge-m3, paraphrase-multilingual-mpnet-base-v2",
-    ),  # fmt: skip
+    ),
     "mpnet": Family(
         "mpnet",
         "mpnet-wordpiece",
         config={"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2},
         covers="all-mpnet-base-v2, multi-qa-mpnet-base-*",
-    ),  # fmt: skip
+    ),
     "modernbert": Family(
         "modernbert",
         "modernbert-bpe",
@@ -69,7 +69,7 @@ ARCHITECTURES: dict[str, Family] = {
             "local_attention": 16,
         },
         covers="modernbert-embed-base, gte-modernbert-base",
-    ),  # fmt: skip
+    ),
     "qwen3": Family(
         "qwen3",
         "qwen-bpe",
@@ -83,7 +83,7 @@ ARCHITECTURES: dict[str, Family] = {
             "tie_word_embeddings": True,
         },
         covers="Qwen3-Embedding-0.6B/4B/8B",
-    ),  # fmt: skip
+    ),
 }
 """The architectures the exporter is tested on (tests/test_architectures.py), by name."""
 

@@ -178,8 +178,9 @@ def test_requests_sent_together_after_an_idle_spell_are_not_held_500_ms(server):
 
     def one(text: str) -> float:
         start = time.perf_counter()
-        infer(server.grpc_url, "embed", {"TEXT": text_tensor([text])}, ["EMBEDDING"],
-              parameters={"latency_budget_ms": 0})  # fmt: skip
+        infer(
+            server.grpc_url, "embed", {"TEXT": text_tensor([text])}, ["EMBEDDING"], parameters={"latency_budget_ms": 0}
+        )
         return (time.perf_counter() - start) * 1000
 
     held = []

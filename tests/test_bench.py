@@ -22,10 +22,27 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(p.a for p in sts_dev[:200]))
     code = bench_run.main(
-        ["--corpus", str(corpus), "--levels", "1,2", "--duration", "1", "--tracing-rounds", "1",
-         "--tracing-concurrency", "2", "--pa-levels", "", "--rerank-sizes", "4", "--rerank-levels", "1",
-         "--out", str(tmp_path / "out")]
-    )  # fmt: skip
+        [
+            "--corpus",
+            str(corpus),
+            "--levels",
+            "1,2",
+            "--duration",
+            "1",
+            "--tracing-rounds",
+            "1",
+            "--tracing-concurrency",
+            "2",
+            "--pa-levels",
+            "",
+            "--rerank-sizes",
+            "4",
+            "--rerank-levels",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 0
     results = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert set(results["systems"]) == {

@@ -107,8 +107,9 @@ def test_unreachable_server_is_a_clear_error():
 def test_the_wrong_port_for_the_protocol_says_which_port_to_use(server):
     # TRITON_EMBED_URL at the gRPC port, then `--protocol http`, as docs/client.md's stdin example shows
     env = {**os.environ, "TRITON_EMBED_URL": server.grpc_url}
-    done = subprocess.run([*CLI, "embed", "--protocol", "http", "x"], capture_output=True, text=True, timeout=120,
-                          check=False, env=env)  # fmt: skip
+    done = subprocess.run(
+        [*CLI, "embed", "--protocol", "http", "x"], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
     assert done.returncode != 0 and "is this Triton's gRPC port? HTTP is --http-port" in done.stderr, done.stderr
     done = run_cli("embed", "--protocol", "grpc", "--url", server.http_url, "x")
     assert done.returncode != 0 and "HTTP port, 8000 by default, use protocol 'http'" in done.stderr, done.stderr

@@ -79,8 +79,9 @@ def unregister_by(way: str, server, name: str) -> None:
     """``unregister(name)`` as the sync clients (:func:`unregister_when_released`) or the asyncio client do it."""
     if way == "sync":
         raw = grpcclient.InferenceServerClient(server.grpc_url)
-        unregister_when_released(lambda n: raw.unregister_system_shared_memory(n, headers=server.admin_headers("grpc")),
-                                 name)  # fmt: skip
+        unregister_when_released(
+            lambda n: raw.unregister_system_shared_memory(n, headers=server.admin_headers("grpc")), name
+        )
         raw.close()
         return
 
@@ -100,9 +101,12 @@ def test_unregister_waits_until_the_server_lets_go_of_a_region(server, way):
     # unregister comes (0.5 s in) and lets go of it within the unregister's 5 s (64 such texts took ~5 s)
     texts = [" ".join(f"w{i}x{j}" for j in range(200)) + unique for i in range(16)]
     client = EmbeddingClient(
-        url=server.grpc_url, use_shared_memory=True, latency_budget_ms=0, timeout_s=60,
+        url=server.grpc_url,
+        use_shared_memory=True,
+        latency_budget_ms=0,
+        timeout_s=60,
         headers=server.admin_headers("grpc"),
-    )  # fmt: skip
+    )
     try:
         with ThreadPoolExecutor(1) as pool:
             slow = pool.submit(client.embed, texts)

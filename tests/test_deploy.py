@@ -58,8 +58,13 @@ def test_compose_file_is_valid(profile):
     broken = COMPOSE.read_text().replace("shm_size: 1gb", "shm_size: [1]")
     bad = subprocess.run(
         [tool("docker-compose"), "-f", "-", "config", "-q"],
-        input=broken, cwd=ROOT, capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+        input=broken,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "shm_size" in bad.stderr
 
 
@@ -298,12 +303,34 @@ def test_image_lock_is_exactly_what_pip_resolves_for_the_images_python(tmp_path)
     platforms = ("manylinux_2_35_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
     report = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--report", str(report),
-         "--python-version", "3.10", "--implementation", "cp", "--abi", "cp310",
-         *(a for p in platforms for a in ("--platform", p)), "--only-binary=:all:", "--target", str(tmp_path / "t"),
-         "-r", str(IMAGE_LOCK)],
-        capture_output=True, text=True, check=False, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "--python-version",
+            "3.10",
+            "--implementation",
+            "cp",
+            "--abi",
+            "cp310",
+            *(a for p in platforms for a in ("--platform", p)),
+            "--only-binary=:all:",
+            "--target",
+            str(tmp_path / "t"),
+            "-r",
+            str(IMAGE_LOCK),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     resolved = {canonical(i["metadata"]["name"]): i["metadata"] for i in json.loads(report.read_text())["install"]}
     # pip evaluates dependency markers for the Python running it, not --python-version (torch adds setuptools for
@@ -326,9 +353,21 @@ def required_on_python_310(requires_dist: list[str]) -> list[str]:
 
 
 # Modules and names added to the standard library after Python 3.10 (the image's interpreter).
-ADDED_AFTER_310 = {"tomllib", "wsgiref.types", "typing.Self", "typing.LiteralString", "typing.Never",
-                   "typing.assert_never", "typing.reveal_type", "enum.StrEnum", "datetime.UTC", "asyncio.TaskGroup",
-                   "asyncio.timeout", "typing.override", "itertools.batched"}  # fmt: skip
+ADDED_AFTER_310 = {
+    "tomllib",
+    "wsgiref.types",
+    "typing.Self",
+    "typing.LiteralString",
+    "typing.Never",
+    "typing.assert_never",
+    "typing.reveal_type",
+    "enum.StrEnum",
+    "datetime.UTC",
+    "asyncio.TaskGroup",
+    "asyncio.timeout",
+    "typing.override",
+    "itertools.batched",
+}
 
 
 IMAGE_PYTHON = [
@@ -405,8 +444,12 @@ def test_the_monitor_image_install_carries_the_monitor(tmp_path):
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", "dist", "."],
-        cwd=tmp_path, capture_output=True, text=True, check=False, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -423,9 +466,13 @@ def test_entrypoint_locks_admin_apis_like_the_embedded_server():
     def run(**env: str) -> subprocess.CompletedProcess:
         # TRITONSERVER=echo prints the command line the entrypoint would exec
         return subprocess.run(
-            ["bash", script, "--model-repository=/models"], env=entrypoint_env(TRITONSERVER="echo", **env),
-            capture_output=True, text=True, check=False, timeout=30,
-        )  # fmt: skip
+            ["bash", script, "--model-repository=/models"],
+            env=entrypoint_env(TRITONSERVER="echo", **env),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
 
     given = run(TRITON_EMBED_ADMIN_KEY="s3cret-key")
     assert given.returncode == 0 and given.stdout.split() == [
@@ -457,13 +504,19 @@ def test_entrypoint_refuses_a_gpu_config_without_a_usable_driver_before_tritonse
     def run(name: str) -> subprocess.CompletedProcess:
         args = [f"--model-repository={ROOT / 'model_repository'}", f"--model-config-name={name}"]
         env = entrypoint_env(
-            TRITONSERVER="echo", TRITON_EMBED_ADMIN_KEY="k", TRITON_EMBED_WATCH_STUBS="0",
+            TRITONSERVER="echo",
+            TRITON_EMBED_ADMIN_KEY="k",
+            TRITON_EMBED_WATCH_STUBS="0",
             TRITON_EMBED_DRIVER_CHECK=str(ROOT / "server" / "triton_embed_server" / "driver_check.py"),
-        )  # fmt: skip
+        )
         return subprocess.run(
-            ["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args], env=env, capture_output=True, text=True,
-            check=False, timeout=60,
-        )  # fmt: skip
+            ["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
 
     refused = run(config)
     assert refused.returncode == EXIT_REFUSED and refused.stdout == "", refused
@@ -481,10 +534,22 @@ def test_the_entrypoints_drain_says_so_when_no_server_answers():
 
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "server" / "triton_embed_server" / "drain.py"), "--http-port", str(free_port()),
-         "--admin-header", "triton-embed-admin-key", "--timeout-s", "30"],
-        capture_output=True, text=True, check=False, timeout=60, env={"TRITON_EMBED_ADMIN_KEY": "k"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "server" / "triton_embed_server" / "drain.py"),
+            "--http-port",
+            str(free_port()),
+            "--admin-header",
+            "triton-embed-admin-key",
+            "--timeout-s",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+        env={"TRITON_EMBED_ADMIN_KEY": "k"},
+    )
     assert done.returncode == 0 and time.monotonic() - started < 10
     assert "triton-embed: no drain (could not read the repository index at 127.0.0.1:" in done.stderr, done.stderr
     assert "within 30 s" not in done.stderr

@@ -191,8 +191,20 @@ def test_image_versions_match_the_embedded_server_and_the_lock(compose_server):
 def recorded_gpu_sample(timestamp: float, gpu: int, util: float):
     from triton_embed_monitor import GpuSample
 
-    return GpuSample(timestamp, gpu, "NVIDIA H200", f"GPU-{gpu}", util, util / 3, 9 << 30, 141 << 30, 1980.0, 250.0,
-                     40.0, ((1234, 8 << 30),))  # fmt: skip
+    return GpuSample(
+        timestamp,
+        gpu,
+        "NVIDIA H200",
+        f"GPU-{gpu}",
+        util,
+        util / 3,
+        9 << 30,
+        141 << 30,
+        1980.0,
+        250.0,
+        40.0,
+        ((1234, 8 << 30),),
+    )
 
 
 @pytest.fixture(scope="module")

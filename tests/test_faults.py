@@ -90,8 +90,10 @@ def test_an_operator_reload_keeps_metrics_and_load_and_is_not_taken_for_a_crash(
     assert record.max_in_flight == knobs["MAX_IN_FLIGHT"] > 0 and record.refusal_hold_ns == 1_000_000_000
     assert record.flood_ns == knobs["FLOOD_LATENCY_MS"] * 1_000_000
     assert (record.bulk_in_flight, record.bulk_queue, record.bulk_texts) == (
-        knobs["BULK_IN_FLIGHT"], 2048, knobs["BULK_TEXTS"]
-    )  # fmt: skip
+        knobs["BULK_IN_FLIGHT"],
+        2048,
+        knobs["BULK_TEXTS"],
+    )
 
 
 def stub_regions(server_pid: int) -> set[str]:
@@ -245,8 +247,10 @@ def test_a_draining_server_is_not_ready_and_refuses_new_requests_as_not_found_wh
         with EmbeddingClient(url=server.grpc_url) as client:
             health = client.health()
         assert health.live and not health.ready and not health.model_ready, health
-        for protocol, url, status in (("grpc", server.grpc_url, "StatusCode.NOT_FOUND"),
-                                      ("http", server.http_url, "404")):  # fmt: skip
+        for protocol, url, status in (
+            ("grpc", server.grpc_url, "StatusCode.NOT_FOUND"),
+            ("http", server.http_url, "404"),
+        ):
             with pytest.raises(InferenceServerException, match="has no available versions") as refused:
                 infer(url, "embed", {"TEXT": text_tensor(["sent while it drains"])}, ["EMBEDDING"], protocol)
             assert str(refused.value.status()) == status

@@ -236,8 +236,20 @@ def test_serve_starts_the_gateway_beside_tritonserver_and_stops_it(tmp_path):
 
     http, grpc, metrics, port = (str(free_port()) for _ in range(4))
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", http, "--grpc-port", grpc,
-               "--metrics-port", metrics, "--gateway-port", port]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "triton_embed_server",
+        "serve",
+        "--http-port",
+        http,
+        "--grpc-port",
+        grpc,
+        "--metrics-port",
+        metrics,
+        "--gateway-port",
+        port,
+    ]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -97,8 +97,19 @@ def compose_service(name: str) -> dict:
 def quantity(text: str) -> float:
     """A Kubernetes or Docker size ("1Gi", "512Mi", "1gb", "4") in bytes (CPU: in cores)."""
     number, unit = re.fullmatch(r"([\d.]+)([A-Za-z]*)", str(text)).groups()
-    units = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30,
-             "kb": 2**10, "mb": 2**20, "gb": 2**30}  # fmt: skip
+    units = {
+        "": 1,
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "kb": 2**10,
+        "mb": 2**20,
+        "gb": 2**30,
+    }
     return float(number) * units[unit]
 
 
@@ -153,8 +164,9 @@ def test_the_pod_runs_composes_images_and_tritonserver_command_line(overlay):
     for name in ("TRITON_EMBED_WATCH_STUBS", "TRITON_EMBED_DRAIN_TIMEOUT"):
         assert env(triton)[name] == re.fullmatch(r"\$\{\w+:-(\w+)\}", compose_env[name]).group(1), name
     # the gateway as compose starts it, over gRPC to Triton in the same pod
-    assert gateway["args"] == [a.replace("--triton=triton:8001", "--triton=127.0.0.1:8001")
-                               for a in compose_service("gateway")["command"]]  # fmt: skip
+    assert gateway["args"] == [
+        a.replace("--triton=triton:8001", "--triton=127.0.0.1:8001") for a in compose_service("gateway")["command"]
+    ]
     assert port_number(triton, "grpc") == 8001
 
 
@@ -173,8 +185,11 @@ def test_admin_apis_stay_locked_with_the_key_from_a_secret(overlay):
     done = subprocess.run(
         ["bash", str(ROOT / "docker" / "triton-entrypoint.sh"), *triton["args"]],
         env=entrypoint_env(**settings, TRITONSERVER="echo", TRITON_EMBED_ADMIN_KEY="from-the-secret"),
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [
         *triton["args"],
@@ -207,8 +222,9 @@ def test_the_init_container_exports_the_model_into_the_volume_triton_serves(over
     (written,) = [m for m in export["volumeMounts"] if m["mountPath"] == dest]
     assert not written.get("readOnly")
     served = [m for m in triton["volumeMounts"] if m["name"] == written["name"]]
-    assert served == [{"name": written["name"], "mountPath": flag(triton["args"], "--model-repository"),
-                       "readOnly": True}]  # fmt: skip
+    assert served == [
+        {"name": written["name"], "mountPath": flag(triton["args"], "--model-repository"), "readOnly": True}
+    ]
     (volume,) = [v for v in spec["volumes"] if v["name"] == written["name"]]
     assert "emptyDir" in volume  # each pod exports its own: nothing shared to go stale
     # the gateway reads it only to learn the models it routes to (--repository)
@@ -229,8 +245,10 @@ def test_the_init_container_exports_the_model_into_the_volume_triton_serves(over
 def test_probes_use_tritons_health_endpoints(overlay):
     spec = pod_spec(overlay)
     triton, gateway = container(spec, "triton"), container(spec, "gateway")
-    paths = {p: (triton[p]["httpGet"]["path"], port_number(triton, triton[p]["httpGet"]["port"]))
-             for p in ("startupProbe", "readinessProbe", "livenessProbe")}  # fmt: skip
+    paths = {
+        p: (triton[p]["httpGet"]["path"], port_number(triton, triton[p]["httpGet"]["port"]))
+        for p in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
     assert paths == {
         # READY only once every step is loaded and warm, and false again while the ensemble drains
         "startupProbe": ("/v2/models/embed/ready", 8000),
@@ -304,35 +322,51 @@ def test_the_adapter_query_is_the_encoders_queue_time_per_request(tmp_path):
     )
 
     def series(name: str, model: str, pod: str, per_15s: int) -> dict:
-        return {"series": f'{name}{{model="{model}",version="1",namespace="ns",pod="{pod}"}}',
-                "values": f"0+{per_15s}x40"}  # fmt: skip
+        return {
+            "series": f'{name}{{model="{model}",version="1",namespace="ns",pod="{pod}"}}',
+            "values": f"0+{per_15s}x40",
+        }
 
     tests = {
         "rule_files": [],
         "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "15s",
-            "input_series": [
-                # busy: 3 requests and 150 ms of encoder queue time every 15 s = 50 ms per request
-                series("nv_inference_queue_duration_us", "encoder", "busy", 150_000),
-                series("nv_inference_request_success", "encoder", "busy", 3),
-                # the ensemble's and the tokenizer's counters are not the encoder's queue
-                series("nv_inference_queue_duration_us", "embed", "busy", 9_000_000),
-                series("nv_inference_request_success", "embed", "busy", 1),
-                series("nv_inference_queue_duration_us", "tokenizer", "busy", 9_000_000),
-                # idle: no requests reads 0, not NaN
-                series("nv_inference_queue_duration_us", "encoder", "idle", 0),
-                series("nv_inference_request_success", "encoder", "idle", 0),
-            ],
-            "promql_expr_test": [{
-                "expr": query, "eval_time": "5m",
-                "exp_samples": [{"labels": '{pod="busy"}', "value": 50_000}, {"labels": '{pod="idle"}', "value": 0}],
-            }],
-        }],
-    }  # fmt: skip
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [
+                    # busy: 3 requests and 150 ms of encoder queue time every 15 s = 50 ms per request
+                    series("nv_inference_queue_duration_us", "encoder", "busy", 150_000),
+                    series("nv_inference_request_success", "encoder", "busy", 3),
+                    # the ensemble's and the tokenizer's counters are not the encoder's queue
+                    series("nv_inference_queue_duration_us", "embed", "busy", 9_000_000),
+                    series("nv_inference_request_success", "embed", "busy", 1),
+                    series("nv_inference_queue_duration_us", "tokenizer", "busy", 9_000_000),
+                    # idle: no requests reads 0, not NaN
+                    series("nv_inference_queue_duration_us", "encoder", "idle", 0),
+                    series("nv_inference_request_success", "encoder", "idle", 0),
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": query,
+                        "eval_time": "5m",
+                        "exp_samples": [
+                            {"labels": '{pod="busy"}', "value": 50_000},
+                            {"labels": '{pod="idle"}', "value": 0},
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
     (tmp_path / "adapter_test.yml").write_text(yaml.safe_dump(tests))
-    done = subprocess.run([tool("promtool"), "test", "rules", "adapter_test.yml"], cwd=tmp_path,
-                          capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [tool("promtool"), "test", "rules", "adapter_test.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert done.returncode == 0 and "SUCCESS" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
@@ -347,8 +381,11 @@ def test_http_has_a_cluster_ip_and_grpc_a_headless_service(overlay):
         assert service["spec"]["selector"].items() <= labels.items()
         out = {}
         for port in service["spec"]["ports"]:
-            owners = [c for c in spec["containers"] if any(port["targetPort"] in (p["name"], p["containerPort"])
-                                                           for p in c["ports"])]  # fmt: skip
+            owners = [
+                c
+                for c in spec["containers"]
+                if any(port["targetPort"] in (p["name"], p["containerPort"]) for p in c["ports"])
+            ]
             (owner,) = owners
             out[port["port"]] = (owner["name"], port_number(owner, port["targetPort"]))
         return out

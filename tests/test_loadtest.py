@@ -50,13 +50,36 @@ def ensemble_requests(http_url: str) -> int:
 def locust(srv, folder: Path, *args: str, users: int = USERS, seconds: int = RUN_S):
     """Run Locust headless against ``srv``; returns (completed process, report.json or None, Locust's request total)."""
     command = [
-        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-        "--users", str(users), "--spawn-rate", str(users), "--run-time", f"{seconds}s", "--stop-timeout", "10",
-        "--triton-host", "127.0.0.1", "--http-port", str(srv.config.http_port),
-        "--grpc-port", str(srv.config.grpc_port), "--metrics-port", str(srv.config.metrics_port),
-        "--warmup-s", "3", "--report-dir", str(folder),
-        "--json-file", str(folder / "locust"), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--users",
+        str(users),
+        "--spawn-rate",
+        str(users),
+        "--run-time",
+        f"{seconds}s",
+        "--stop-timeout",
+        "10",
+        "--triton-host",
+        "127.0.0.1",
+        "--http-port",
+        str(srv.config.http_port),
+        "--grpc-port",
+        str(srv.config.grpc_port),
+        "--metrics-port",
+        str(srv.config.metrics_port),
+        "--warmup-s",
+        "3",
+        "--report-dir",
+        str(folder),
+        "--json-file",
+        str(folder / "locust"),
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120, check=False)
     path = folder / "report.json"
     report = json.loads(path.read_text()) if path.is_file() else None
@@ -204,8 +227,12 @@ def test_capacity_search_reports_the_best_passing_step(server, tmp_path):
 
     done = subprocess.run(
         [*common, "--out", str(tmp_path / "fail"), "--", *args, "--sla-ms", "1"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 1
     assert [s["users"] for s in json.loads((tmp_path / "fail" / "capacity.json").read_text())["steps"]] == [1]
     assert "Capacity: no step passed the SLA gate" in done.stdout

@@ -84,8 +84,9 @@ def test_a_slower_machine_keeps_the_accepted_p99_within_the_sla_past_its_door(tm
     repo = variant_repository(tmp_path / "repo", None)  # the shipped configs, the response cache off
     server_core, client_core = sorted(os.sched_getaffinity(0))[:2]
     with on_cores({server_core}):
-        server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                                log_file=tmp_path / "log")  # fmt: skip
+        server = EmbeddedServer(
+            model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log"
+        )
         server.start()
     try:
         server.wait_ready(timeout_s=240)
@@ -153,8 +154,9 @@ def test_a_cpu_quota_gives_the_encoder_one_torch_thread_per_cpu_it_may_use(tmp_p
     repo = repository_for(small_sentence_transformer(tmp_path / "st", 32), tmp_path / "repo")
     with in_cpu_quota(1) as joined:
         with joined():
-            server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                                    log_file=tmp_path / "log")  # fmt: skip
+            server = EmbeddedServer(
+                model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log"
+            )
             server.start()
         try:
             server.wait_ready(timeout_s=240)

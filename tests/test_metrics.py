@@ -50,6 +50,9 @@ def test_the_p99_the_sla_alert_reads_is_published(server):
     with EmbeddingClient(url=server.grpc_url) as client:
         client.embed([f"summary latencies {secrets.randbelow(10**6)}"])  # not a cache hit: it reaches the steps
     samples = scrape(server.metrics_url)
-    p99 = [v for k, v in samples.items() if k.startswith("nv_inference_compute_infer_summary_us{") and
-           'model="embed"' in k and 'quantile="0.99"' in k]  # fmt: skip
+    p99 = [
+        v
+        for k, v in samples.items()
+        if k.startswith("nv_inference_compute_infer_summary_us{") and 'model="embed"' in k and 'quantile="0.99"' in k
+    ]
     assert p99 and 0 < p99[0] < 10_000_000, sorted(k for k in samples if "summary" in k)[:10]

@@ -75,8 +75,10 @@ def two_models(tmp_path_factory):
     ):
         done = subprocess.run(
             [sys.executable, "-m", "triton_embed_server.export", "--repository", str(repo), *args],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         log.append(done.stdout)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv, folders, log
@@ -163,8 +165,10 @@ def test_the_quick_starts_export_leaves_a_fresh_clone_clean(tmp_path):
         subprocess.run(["git", "-C", str(clone), "apply", "--allow-empty"], input=changes, check=True)
     for path in subprocess.run(
         ["git", "-C", str(REPO_ROOT), "ls-files", "--others", "--exclude-standard"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split():  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split():
         (clone / path).parent.mkdir(parents=True, exist_ok=True)
         (clone / path).write_bytes((REPO_ROOT / path).read_bytes())
     status_before = git_status(clone)
@@ -173,8 +177,11 @@ def test_the_quick_starts_export_leaves_a_fresh_clone_clean(tmp_path):
     env = {**os.environ, "PYTHONPATH": code}
     done = subprocess.run(
         ["make", "-C", str(clone), "model", f"VENV={venv}", "-o", f"{venv}/.installed-stamp", "PRECISION=fp32"],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "model 'embed' exported" in done.stdout
     assert (clone / ".build" / "model_repository" / "encoder" / "1" / "model.pt").is_file()
@@ -185,5 +192,7 @@ def git_status(folder: Path) -> str:
     """``git status --porcelain`` of ``folder``, untracked files included."""
     return subprocess.run(
         ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=all"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout

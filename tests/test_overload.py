@@ -74,8 +74,14 @@ def test_a_late_request_with_a_budget_is_refused_when_due_with_an_error_naming_t
 def test_a_refusal_is_unavailable_to_a_raw_triton_client(late_server, protocol):
     url = late_server.grpc_url if protocol == "grpc" else late_server.http_url
     with pytest.raises(InferenceServerException) as caught:
-        infer(url, "embed", {"TEXT": text_tensor(["raw client"])}, ["EMBEDDING"], protocol,
-              {"latency_budget_ms": BUDGET_MS})  # fmt: skip
+        infer(
+            url,
+            "embed",
+            {"TEXT": text_tensor(["raw client"])},
+            ["EMBEDDING"],
+            protocol,
+            {"latency_budget_ms": BUDGET_MS},
+        )
     assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
     assert "the request's parameter latency_budget_ms" in caught.value.message()
 
@@ -227,29 +233,43 @@ def test_the_door_counts_texts_refuses_past_max_in_flight_when_due_and_bulk_wait
     before = scrape(narrow_door.metrics_url).get(metric, 0.0)
     long_texts = [f"{protocol} {i} " + "a long sentence to keep the encoder busy " * 30 for i in range(128)]
     with ThreadPoolExecutor(2) as pool:  # two requests of 64 long texts: 128 in flight, each a full batch of ~0.6 s
-        busy = [pool.submit(infer, url, "embed", {"TEXT": text_tensor(long_texts[k::2])}, ["EMBEDDING"], protocol)
-                for k in (0, 1)]  # fmt: skip
+        busy = [
+            pool.submit(infer, url, "embed", {"TEXT": text_tensor(long_texts[k::2])}, ["EMBEDDING"], protocol)
+            for k in (0, 1)
+        ]
         time.sleep(0.2)
         assert not any(f.done() for f in busy), "the encoder answered before the third request could be refused"
         started = time.monotonic()
         with pytest.raises(InferenceServerException) as caught:
             infer(url, "embed", {"TEXT": text_tensor([f"{protocol} a third request"])}, ["EMBEDDING"], protocol)
         held_s = time.monotonic() - started
-        bulk = infer(url, "embed", {"TEXT": text_tensor([f"{protocol} a bulk job"])}, ["EMBEDDING"], protocol,
-                     {"latency_budget_ms": 0})  # fmt: skip
+        bulk = infer(
+            url,
+            "embed",
+            {"TEXT": text_tensor([f"{protocol} a bulk job"])},
+            ["EMBEDDING"],
+            protocol,
+            {"latency_budget_ms": 0},
+        )
         for f in busy:
             assert f.result()["EMBEDDING"].shape == (64, 384)
     assert str(caught.value.status()) in ("StatusCode.UNAVAILABLE", "503")
-    assert ("128 texts are in flight and this request has 1 text; the limit is 128 texts (MAX_IN_FLIGHT, the "
-            "encoder's door now; `triton-embed stats` shows how it was set; a request of more than 64 texts or with "
-            "the request parameter latency_budget_ms 0 waits in the bulk lane instead)"
-            ) in caught.value.message()  # fmt: skip
+    assert (
+        "128 texts are in flight and this request has 1 text; the limit is 128 texts (MAX_IN_FLIGHT, the "
+        "encoder's door now; `triton-embed stats` shows how it was set; a request of more than 64 texts or with "
+        "the request parameter latency_budget_ms 0 waits in the bulk lane instead)"
+    ) in caught.value.message()
     assert held_s >= HOLD_S - 0.05  # held, not answered at once
     assert bulk["EMBEDDING"].shape == (1, 384)  # waited in the lane, never refused
     assert scrape(narrow_door.metrics_url)[metric] == before + 1
     # Every answer counted its texts out: the door is open again, to a request of 64.
-    served = infer(url, "embed", {"TEXT": text_tensor([f"{protocol} after the others {i}" for i in range(64)])},
-                   ["EMBEDDING"], protocol)  # fmt: skip
+    served = infer(
+        url,
+        "embed",
+        {"TEXT": text_tensor([f"{protocol} after the others {i}" for i in range(64)])},
+        ["EMBEDDING"],
+        protocol,
+    )
     assert served["EMBEDDING"].shape == (64, 384)
 
 
@@ -257,8 +277,18 @@ def test_bulk_requests_past_bulk_queue_are_refused_naming_it_and_the_rest_are_al
     # 48 texts each, with latency_budget_ms 0. The lane holds 100 texts: two wait, a third is refused.
     requests = [[f"bulk {k} {i} " + "a sentence to keep the encoder busy " * 8 for i in range(48)] for k in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(infer, narrow_door.grpc_url, "embed", {"TEXT": text_tensor(t)}, ["EMBEDDING"], "grpc",
-                               {"latency_budget_ms": 0}) for t in requests]  # fmt: skip
+        futures = [
+            pool.submit(
+                infer,
+                narrow_door.grpc_url,
+                "embed",
+                {"TEXT": text_tensor(t)},
+                ["EMBEDDING"],
+                "grpc",
+                {"latency_budget_ms": 0},
+            )
+            for t in requests
+        ]
     served, refused = [], []
     for f in futures:
         try:
@@ -266,8 +296,11 @@ def test_bulk_requests_past_bulk_queue_are_refused_naming_it_and_the_rest_are_al
         except InferenceServerException as exc:
             refused.append(exc.message())
     assert 1 <= len(refused) <= 2 and served == [(48, 384)] * (4 - len(refused)), refused
-    assert all("bulk texts are waiting and this request has 48; the limit is 100 texts (BULK_QUEUE in the encoder's "
-               "config). Retry with backoff" in m for m in refused)  # fmt: skip
+    assert all(
+        "bulk texts are waiting and this request has 48; the limit is 100 texts (BULK_QUEUE in the encoder's "
+        "config). Retry with backoff" in m
+        for m in refused
+    )
 
 
 def test_one_text_requests_beside_a_flood_of_bulk_jobs_are_answered_within_the_sla_and_never_refused(

@@ -129,10 +129,25 @@ def test_the_cli_takes_the_prompt_and_dimensions(prompted):
 
     reference, server, _ = prompted
     done = subprocess.run(
-        [sys.executable, "-m", "triton_embed.cli", "embed", "--url", server.grpc_url, "--json",
-         "--input-type", "passage", "--dimensions", "8", *TEXTS],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "triton_embed.cli",
+            "embed",
+            "--url",
+            server.grpc_url,
+            "--json",
+            "--input-type",
+            "passage",
+            "--dimensions",
+            "8",
+            *TEXTS,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     served = np.array([row["embedding"] for row in json.loads(done.stdout)])
     head = reference.encode(TEXTS, prompt_name="passage")[:, :8]

@@ -60,8 +60,10 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("replicas")
     repository = repository_for(small_sentence_transformer(logs / "st", 32), logs / "repo")
     with replica_network(3) as net:
-        replicas = [Replica(f"triton-embed-{n}", ns, net.address(n), logs / f"replica-{n}.log", repository)
-                    for n, ns in enumerate(net.namespaces)]  # fmt: skip
+        replicas = [
+            Replica(f"triton-embed-{n}", ns, net.address(n), logs / f"replica-{n}.log", repository)
+            for n, ns in enumerate(net.namespaces)
+        ]
         try:
             for r in replicas:
                 r.start()
@@ -268,8 +270,10 @@ def test_a_killed_replica_costs_no_call_and_gets_traffic_again_once_ready(cluste
             loop.stop()
         since = read_counts(victim.grpc_url, "embed")[0]
         back = grows(victim, since, within_s=30)  # a probe after the cool-down (10 s at most) finds it ready
-    print(f"kill: ready again {ready_after:.0f} s after; client {client.calls} calls; "
-          f"nginx (calls, failures) {[(n.calls, len(n.failures)) for n in through_nginx]}")  # fmt: skip
+    print(
+        f"kill: ready again {ready_after:.0f} s after; client {client.calls} calls; "
+        f"nginx (calls, failures) {[(n.calls, len(n.failures)) for n in through_nginx]}"
+    )
     assert not client.failures, client.failures[:3]
     assert client.calls > calls_before_kill + 10
     assert back > 0, f"no call of the client reached {victim.name} within 30 s of it being ready"

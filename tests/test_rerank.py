@@ -45,10 +45,23 @@ def served(tmp_path_factory):
     embedder = small_sentence_transformer(tmp / "embed", 32)
     for name, folder in {"embed": embedder, **folders}.items():
         subprocess.run(
-            [sys.executable, "-m", "triton_embed_server.export", "--repository", str(repo), "--model", str(folder),
-             "--name", name, "--precision", "fp32"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "triton_embed_server.export",
+                "--repository",
+                str(repo),
+                "--model",
+                str(folder),
+                "--name",
+                name,
+                "--precision",
+                "fp32",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv, folders
 
@@ -113,8 +126,9 @@ def gateway(served, tmp_path_factory):
 
     server, _ = served
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with gateway_running(server.grpc_url, log, "--repository", str(server.config.model_repository),
-                         "--max-inputs", "8") as base:  # fmt: skip
+    with gateway_running(
+        server.grpc_url, log, "--repository", str(server.config.model_repository), "--max-inputs", "8"
+    ) as base:
         yield base
 
 
@@ -188,18 +202,34 @@ def test_rerank_errors_name_the_field_the_limit_and_the_value(gateway):
     from test_gateway import post
 
     cases = [
-        ({"model": "rerank", "query": QUERY, "documents": ["d"] * 9}, 400, "documents",
-         "holds 9 texts; the limit is 8"),
+        (
+            {"model": "rerank", "query": QUERY, "documents": ["d"] * 9},
+            400,
+            "documents",
+            "holds 9 texts; the limit is 8",
+        ),
         ({"model": "rerank", "documents": ["d"]}, 400, "query", "'query' is required"),
-        ({"model": "rerank", "query": QUERY, "documents": ["ok", "x" * 70_000]}, 400, "documents[1]",
-         "has 70000 bytes; the limit is 65536 bytes"),
-        ({"model": "rerank", "query": QUERY, "documents": [DOCUMENTS[3]], "truncate": "NONE"}, 400, "documents[0]",
-         "'documents[0]' with its query has"),
+        (
+            {"model": "rerank", "query": QUERY, "documents": ["ok", "x" * 70_000]},
+            400,
+            "documents[1]",
+            "has 70000 bytes; the limit is 65536 bytes",
+        ),
+        (
+            {"model": "rerank", "query": QUERY, "documents": [DOCUMENTS[3]], "truncate": "NONE"},
+            400,
+            "documents[0]",
+            "'documents[0]' with its query has",
+        ),
         ({"model": "embed", "query": QUERY, "documents": ["d"]}, 400, "model", "is an embedder; send it to"),
-        ({"model": "bge-reranker", "query": QUERY, "documents": ["d"]}, 404, "model",
-         "the served rerankers are rerank, rerank_modern, rerank_xlmr"),
+        (
+            {"model": "bge-reranker", "query": QUERY, "documents": ["d"]},
+            404,
+            "model",
+            "the served rerankers are rerank, rerank_modern, rerank_xlmr",
+        ),
         ({"model": "rerank", "query": QUERY, "documents": ["d"], "top_n": 0}, 400, "top_n", "got 0"),
-    ]  # fmt: skip
+    ]
     for body, status, param, words in cases:
         got, answer, _ = post(f"{gateway}/v1/rerank", body)
         assert (got, answer["error"]["param"]) == (status, param), answer
@@ -244,8 +274,10 @@ def test_the_client_library_and_the_cli_rerank(served, references):
     assert "model 'embed' is an embedder, not a reranker" in str(info.value)
     done = subprocess.run(
         [*CLI, "--url", server.grpc_url, "--model", "rerank_xlmr", "rerank", "--json", QUERY, *DOCUMENTS[:3]],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = json.loads(done.stdout)
     assert [r["index"] for r in rows] == list(np.argsort(-scores[:3], kind="stable"))
     np.testing.assert_allclose([r["score"] for r in rows], np.sort(scores[:3])[::-1], atol=1e-5)
@@ -265,8 +297,13 @@ def test_the_docs_rerank_examples_work_as_written(gateway, served):
     ]
     assert len(curls) == 2
     for line in curls:
-        done = subprocess.run(["bash", "-c", line.replace("http://127.0.0.1:8080", gateway)],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        done = subprocess.run(
+            ["bash", "-c", line.replace("http://127.0.0.1:8080", gateway)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         answer = json.loads(done.stdout)
         assert done.returncode == 0 and "error" not in answer and len(answer) >= 2, (line, done.stdout)
     (snippet,) = [b for b in doc_examples(page, "python") if "cohere.ClientV2(" in b]
@@ -289,17 +326,36 @@ def test_make_model_names_what_it_cannot_serve_as_a_reranker_in_one_line(tmp_pat
     (llm / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
     two = tmp_path / "two-labels"
     BertForSequenceClassification(
-        BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                   num_labels=2)
-    ).save_pretrained(two)  # fmt: skip
+        BertConfig(
+            vocab_size=30522,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=2,
+        )
+    ).save_pretrained(two)
     AutoTokenizer.from_pretrained(str(default_model_path())).save_pretrained(two)
-    for folder, words in ((llm, "an LLM-based reranker that scores with yes/no token logits is not served"),
-                          (two, "a reranker has one label (one score per pair); this model has 2")):  # fmt: skip
+    for folder, words in (
+        (llm, "an LLM-based reranker that scores with yes/no token logits is not served"),
+        (two, "a reranker has one label (one score per pair); this model has 2"),
+    ):
         done = subprocess.run(
-            [sys.executable, "-m", "triton_embed_server.export", "--repository", str(tmp_path / "repo"),
-             "--model", str(folder), "--name", "rerank"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "triton_embed_server.export",
+                "--repository",
+                str(tmp_path / "repo"),
+                "--model",
+                str(folder),
+                "--name",
+                "rerank",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode != 0 and words in done.stderr, done.stderr[-600:]
         assert len([line for line in done.stderr.splitlines() if words[:30] in line]) == 1
 
@@ -312,8 +368,20 @@ def test_make_loadtest_reranks_beside_embedding_under_the_same_gate(served, tmp_
     (tmp_path / "run").mkdir()
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"{d} {i}" for i in range(40) for d in ("a man plays", "cheese in the sun")) + "\n")
-    done, report, _ = locust(server, tmp_path / "run", "GrpcUser", "--model", "embed", "--rerank-model", "rerank",
-                             "--corpus", str(corpus), "--sla-ms", "1000", seconds=15)  # fmt: skip
+    done, report, _ = locust(
+        server,
+        tmp_path / "run",
+        "GrpcUser",
+        "--model",
+        "embed",
+        "--rerank-model",
+        "rerank",
+        "--corpus",
+        str(corpus),
+        "--sla-ms",
+        "1000",
+        seconds=15,
+    )
     assert done.returncode == 0 and report is not None, done.stderr[-2000:]
     stats = {row["name"]: row for row in json.loads((tmp_path / "run" / "locust.json").read_text())}
     assert stats["rerank rerank x8"]["num_requests"] > 0 and stats["rerank rerank x8"]["num_failures"] == 0

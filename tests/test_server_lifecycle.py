@@ -77,8 +77,18 @@ def test_sigterm_during_startup_stops_at_once_without_claiming_ready(tmp_path):
 
 def test_a_second_serve_on_a_port_in_use_fails_at_once_and_leaves_the_first_serving(serve_process):
     proc, server_pid, ports = serve_process.proc, serve_process.server_pid, serve_process.ports
-    cmd = [sys.executable, "-m", "triton_embed_server", "serve", "--http-port", ports[0],
-           "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "triton_embed_server",
+        "serve",
+        "--http-port",
+        ports[0],
+        "--grpc-port",
+        str(free_port()),
+        "--metrics-port",
+        str(free_port()),
+    ]
     second = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
     assert second.returncode == 1, second.stdout + second.stderr
     assert f"http port {ports[0]} on 127.0.0.1 is in use" in second.stderr

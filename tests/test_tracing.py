@@ -50,12 +50,24 @@ def traced(tmp_path_factory):
     """(receiver, gateway base URL, server): Triton and the gateway exporting to the receiver; response cache off."""
     tmp = tmp_path_factory.mktemp("traced")
     with OtlpReceiver(save=tmp / "spans.jsonl") as receiver:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": SERVICE,
-               "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test", "OTEL_BSP_SCHEDULE_DELAY": "200"}  # fmt: skip
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+            "OTEL_SERVICE_NAME": SERVICE,
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        }
         repo = variant_repository(tmp / "repo", None)
-        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log",
-                            extra_args=triton_trace_args(env)) as server, \
-                gateway_process(server, env, tmp / "gateway.log") as base:  # fmt: skip
+        with (
+            EmbeddedServer(
+                model_repository=repo,
+                http_port=0,
+                grpc_port=0,
+                metrics_port=0,
+                log_file=tmp / "log",
+                extra_args=triton_trace_args(env),
+            ) as server,
+            gateway_process(server, env, tmp / "gateway.log") as base,
+        ):
             yield receiver, base, server
 
 
@@ -89,8 +101,11 @@ def test_one_trace_follows_a_request_from_the_caller_through_the_gateway_and_eve
 
     def send() -> str:
         trace_id = secrets.token_hex(16)
-        status, body, _ = post(f"{base}/v1/embeddings", {"input": f"followed through every stage {trace_id}"},
-                               {"traceparent": f"00-{trace_id}-{caller}-01"})  # fmt: skip
+        status, body, _ = post(
+            f"{base}/v1/embeddings",
+            {"input": f"followed through every stage {trace_id}"},
+            {"traceparent": f"00-{trace_id}-{caller}-01"},
+        )
         assert status == 200 and len(body["data"]) == 1
         return trace_id
 
@@ -185,8 +200,12 @@ def test_the_stage_table_blames_the_stage_where_the_slowest_request_spent_its_ti
     carried_to_triton(receiver, send_slow, TRITON_STEPS)  # Triton's exporter sends in batches, in order
     spans = tmp_path / "spans.jsonl"
     spans.write_bytes(receiver.save_path.read_bytes())  # the run so far, as a collector's file exporter writes it
-    done = subprocess.run([sys.executable, "-m", "triton_embed_gateway.traces", "--json", str(spans)],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "triton_embed_gateway.traces", "--json", str(spans)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     data = json.loads(done.stdout)
     assert data["requests"] >= 31
     assert set(data["all"]) == set(STAGES)
@@ -194,8 +213,9 @@ def test_the_stage_table_blames_the_stage_where_the_slowest_request_spent_its_ti
     shares = sum(row["share"] for row in data["all"].values())
     assert 0.99 < shares < 1.01  # the stages add up to the end-to-end time
     assert data["end_to_end"]["p99_ms"] >= data["all"]["encoder compute"]["p99_ms"]
-    table = subprocess.run([sys.executable, "-m", "triton_embed_gateway.traces", str(spans)],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    table = subprocess.run(
+        [sys.executable, "-m", "triton_embed_gateway.traces", str(spans)], capture_output=True, text=True, check=True
+    ).stdout
     assert "| encoder compute |" in table and "to blame at p99: encoder compute" in table
 
 
@@ -248,14 +268,27 @@ def test_the_sampling_follows_load_down_at_a_high_rate_up_when_p95_crosses_the_t
     # short callers run through both phases: a pause between them would be a quiet interval of its own. BULK_TEXTS 8
     # sends the 16-text requests to the bulk lane, which queues them, on any machine: the door measured at start-up
     # would otherwise decide whether 16 texts are bulk, and refuse them past its limit.
-    knobs = {"TRITON_EMBED_TRACE_INTERVAL_S": "0.5", "TRITON_EMBED_TRACE_BUDGET": "0.5",
-             "TRITON_EMBED_TRACE_SLOW_MS": "400", "TRITON_EMBED_ADMIN_KEY": ADMIN_KEY}  # fmt: skip
+    knobs = {
+        "TRITON_EMBED_TRACE_INTERVAL_S": "0.5",
+        "TRITON_EMBED_TRACE_BUDGET": "0.5",
+        "TRITON_EMBED_TRACE_SLOW_MS": "400",
+        "TRITON_EMBED_ADMIN_KEY": ADMIN_KEY,
+    }
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **knobs}
         repo = variant_repository(tmp_path / "repo", None, knobs={("encoder", "BULK_TEXTS"): "8"})
-        with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, admin_key=ADMIN_KEY,
-                            log_file=tmp_path / "log", extra_args=triton_trace_args(env)) as server, \
-                gateway_process(server, env, tmp_path / "gateway.log") as base:  # fmt: skip
+        with (
+            EmbeddedServer(
+                model_repository=repo,
+                http_port=0,
+                grpc_port=0,
+                metrics_port=0,
+                admin_key=ADMIN_KEY,
+                log_file=tmp_path / "log",
+                extra_args=triton_trace_args(env),
+            ) as server,
+            gateway_process(server, env, tmp_path / "gateway.log") as base,
+        ):
             assert sampling(base)[0] == 1.0 and triton_trace_rate(server) == 1  # quiet: every request
             answered: list[int] = []
             short = threading.Thread(target=lambda: answered.append(load(base, [(4, ["a short sentence"])], 9)))

@@ -20,8 +20,11 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def test_the_candidates_split_the_cores_and_the_best_is_the_fastest_within_the_target():
     assert candidates(2, [1, 2, 3], [0, 2000]) == [
-        Candidate(1, 2, 0), Candidate(1, 2, 2000), Candidate(2, 1, 0), Candidate(2, 1, 2000)
-    ]  # fmt: skip
+        Candidate(1, 2, 0),
+        Candidate(1, 2, 2000),
+        Candidate(2, 1, 0),
+        Candidate(2, 1, 2000),
+    ]
     assert candidates(2, [1], [0], (True, False)) == [Candidate(1, 2, 0, True), Candidate(1, 2, 0, False)]
     assert candidates(1, [2], [0]) == [Candidate(1, 1, 0)]
     rows = [(8, 100.0, 90.0), (16, 150.0, 180.0), (32, 160.0, 260.0)]
@@ -48,10 +51,33 @@ def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_pa
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"a user's own sentence number {i}\n" for i in range(500)))
     run = subprocess.run(  # noqa: S603 - our own module
-        [sys.executable, "-m", "bench.tune", "--repository", str(repo), "--corpus", str(corpus), "--tool", "client",
-         "--levels", "4,8", "--seconds", "2", "--instances", "1,2", "--delays-us", "0", "--buckets", "x1.5"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.tune",
+            "--repository",
+            str(repo),
+            "--corpus",
+            str(corpus),
+            "--tool",
+            "client",
+            "--levels",
+            "4,8",
+            "--seconds",
+            "2",
+            "--instances",
+            "1,2",
+            "--delays-us",
+            "0",
+            "--buckets",
+            "x1.5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     table = {
         m[0]: float(m[1]) for m in re.findall(r"  (\d x \d threads, delay 0 us, buckets x1.5): (\d+) req/s", run.stdout)
@@ -65,7 +91,8 @@ def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_pa
     instances, threads = int(chosen[0]), int(chosen[4])
     assert re.search(rf"instance_group \[\s*\{{\s*count: {instances}", config)
     assert re.search(rf'key: "TORCH_NUM_THREADS"\s*value: {{ string_value: "{threads}" }}', config)
-    with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0,
-                        log_file=tmp_path / "log") as server:  # fmt: skip
+    with EmbeddedServer(
+        model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log"
+    ) as server:
         served = infer(server.grpc_url, "embed", {"TEXT": text_tensor(["served by the tuned config"])}, ["EMBEDDING"])
     assert served["EMBEDDING"].shape == (1, 32)

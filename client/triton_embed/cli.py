@@ -76,13 +76,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     embed.add_argument("--file", type=argparse.FileType("rb"), help="one UTF-8 text per line")
     embed.add_argument(
-        "--latency-budget-ms", type=float, default=None,
+        "--latency-budget-ms",
+        type=float,
+        default=None,
         help="how long the request may wait in the encoder's queue before the server refuses it as overloaded, ms "
         "(0 = never refuse, for bulk jobs; default: the server's LATENCY_BUDGET_MS)",
-    )  # fmt: skip
+    )
     embed.add_argument("--input-type", default=None, help="a prompt name of the model, e.g. query or passage")
-    embed.add_argument("--truncate", choices=("END", "START", "NONE"), default=None,
-                       help="cut a text over the token limit at its end, its start, or refuse it")  # fmt: skip
+    embed.add_argument(
+        "--truncate",
+        choices=("END", "START", "NONE"),
+        default=None,
+        help="cut a text over the token limit at its end, its start, or refuse it",
+    )
     embed.add_argument("--dimensions", type=int, default=None, help="keep the first N components, renormalised")
     rerank = sub.add_parser(
         "rerank", parents=[common], help="score documents against a query with a reranker, highest first"
@@ -90,20 +96,28 @@ def _parser() -> argparse.ArgumentParser:
     rerank.add_argument("query")
     rerank.add_argument("documents", nargs="+", metavar="DOC")
     rerank.add_argument("--top-n", type=int, default=None, help="print the best N only")
-    rerank.add_argument("--truncate", choices=("END", "START", "NONE"), default=None,
-                        help="cut a pair over the token limit at its end, its start, or refuse it")  # fmt: skip
+    rerank.add_argument(
+        "--truncate",
+        choices=("END", "START", "NONE"),
+        default=None,
+        help="cut a pair over the token limit at its end, its start, or refuse it",
+    )
     sim = sub.add_parser("similarity", parents=[common], help="print the cosine similarity of two texts")
     sim.add_argument("a")
     sim.add_argument("b")
     sub.add_parser("health", parents=[common], help="server liveness/readiness and the model's readiness")
     stats = sub.add_parser(
-        "stats", parents=[common], help="per-step counters and queue/compute times since start, the admission knobs",
-        epilog=server_stats.LEGEND, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        "stats",
+        parents=[common],
+        help="per-step counters and queue/compute times since start, the admission knobs",
+        epilog=server_stats.LEGEND,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     stats.add_argument(
-        "--metrics-url", default=None,
+        "--metrics-url",
+        default=None,
         help="Triton's metrics endpoint, for the admission knobs in force (default: port 8002 on --url's host)",
-    )  # fmt: skip
+    )
     sub.add_parser(
         "gateway", add_help=False, help="serve the OpenAI/TEI embeddings HTTP API in front of Triton (gateway --help)"
     )
@@ -115,8 +129,10 @@ def _gateway(argv: list[str]) -> int:
     try:
         from triton_embed_gateway.__main__ import main as gateway_main
     except ImportError as exc:
-        print(f"triton-embed: the gateway needs the 'gateway' extra (pip install 'triton-embed[gateway]'): {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"triton-embed: the gateway needs the 'gateway' extra (pip install 'triton-embed[gateway]'): {exc}",
+            file=sys.stderr,
+        )
         return 2
     return gateway_main(argv)
 

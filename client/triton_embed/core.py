@@ -581,9 +581,14 @@ class ClientCore:
             raise self._closed_error()
         inputs, outputs, sent = self._builder.build_pairs(query, documents, truncate)
         result = yield from self._call(
-            endpoint, "infer", self.model, inputs, outputs=outputs, wait_s=self.settings.timeout_s + 1,
+            endpoint,
+            "infer",
+            self.model,
+            inputs,
+            outputs=outputs,
+            wait_s=self.settings.timeout_s + 1,
             **self._builder.infer_kwargs(bulk),
-        )  # fmt: skip
+        )
         scores, received = self._builder.read_scores(result, len(documents))
         self._counters.add(requests=1, texts=len(documents), bytes_sent=sent, bytes_received=received)
         return scores

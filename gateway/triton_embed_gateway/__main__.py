@@ -31,18 +31,24 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="triton-embed-gateway", description=__doc__)
     p.add_argument("--triton", default="127.0.0.1:8001", help="Triton's gRPC host:port (default %(default)s)")
     p.add_argument(
-        "--model", action="append",
+        "--model",
+        action="append",
         help="an ensemble to serve, repeatable; the first is the TEI routes' and a request's without 'model' "
         "(default: embed)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--repository", type=Path, metavar="DIR",
+        "--repository",
+        type=Path,
+        metavar="DIR",
         help="serve every ensemble of the model repository DIR (embed first), after the --model ones",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--served-model-name", action="append", default=[], metavar="[MODEL=]ID",
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="[MODEL=]ID",
         help="the id answered in 'model' and /v1/models for MODEL (without MODEL=: the first), repeatable",
-    )  # fmt: skip
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
     p.add_argument(
@@ -52,9 +58,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inputs", type=int, default=DEFAULT_MAX_INPUTS, help="most texts per API request")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each Triton request, seconds")
     p.add_argument(
-        "--admin-header", default=ADMIN_HEADER,
+        "--admin-header",
+        default=ADMIN_HEADER,
         help=f"header of Triton's admin lock, key in ${ADMIN_KEY_ENV} (default %(default)s): sets its trace_rate",
-    )  # fmt: skip
+    )
     return p
 
 

@@ -82,34 +82,45 @@ class Metrics:
         self.registry = CollectorRegistry()
         labels = ["route", "code"]
         self.requests = Counter(
-            "triton_embed_gateway_request", "API requests answered, by route and HTTP status", labels,
+            "triton_embed_gateway_request",
+            "API requests answered, by route and HTTP status",
+            labels,
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.duration_us = Counter(
-            "triton_embed_gateway_request_duration_us", "Time to answer API requests, microseconds", labels,
+            "triton_embed_gateway_request_duration_us",
+            "Time to answer API requests, microseconds",
+            labels,
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.latency = Histogram(
-            "triton_embed_gateway_request_seconds", "Time to answer one API request, seconds", ["route"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5), registry=self.registry,
-        )  # fmt: skip
+            "triton_embed_gateway_request_seconds",
+            "Time to answer one API request, seconds",
+            ["route"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
         self.texts = Counter("triton_embed_gateway_texts", "Texts embedded", registry=self.registry)
         self.tokens = Counter(
             "triton_embed_gateway_tokens", "Tokens embedded (after truncation)", registry=self.registry
         )
         self.sampling_ratio = Gauge(
-            "triton_embed_gateway_trace_sampling_ratio", "Share of new API requests traced, 0..1 (1 when tracing is "
-            "off: nothing to sample)", registry=self.registry,
-        )  # fmt: skip
+            "triton_embed_gateway_trace_sampling_ratio",
+            "Share of new API requests traced, 0..1 (1 when tracing is off: nothing to sample)",
+            registry=self.registry,
+        )
         self.sampling_ratio.set(1.0)
         self.sampling_changes = Counter(
-            "triton_embed_gateway_trace_sampling_changes", "Changes of the share traced, by the load that made them",
-            ["state"], registry=self.registry,
-        )  # fmt: skip
+            "triton_embed_gateway_trace_sampling_changes",
+            "Changes of the share traced, by the load that made them",
+            ["state"],
+            registry=self.registry,
+        )
         self.triton_trace_rate = Gauge(
-            "triton_embed_gateway_triton_trace_rate", "Triton's trace_rate as the gateway last set it (1 in N; 0: "
-            "not set)", registry=self.registry,
-        )  # fmt: skip
+            "triton_embed_gateway_triton_trace_rate",
+            "Triton's trace_rate as the gateway last set it (1 in N; 0: not set)",
+            registry=self.registry,
+        )
 
 
 def _sampling(
@@ -130,12 +141,17 @@ def _sampling(
         return None if None in counts else sum(c for c in counts if c is not None)
 
     controller = SamplingController(
-        settings.sampling, sampler, request_count,
-        (lambda rate: embedders[0].set_trace_rate(rate, headers)) if key else None, changed,
-    )  # fmt: skip
+        settings.sampling,
+        sampler,
+        request_count,
+        (lambda rate: embedders[0].set_trace_rate(rate, headers)) if key else None,
+        changed,
+    )
     if not key:
-        log.warning("TRITON_EMBED_ADMIN_KEY is not set: Triton's trace_rate stays as Triton started; the gateway's "
-                    "own sampling follows load")  # fmt: skip
+        log.warning(
+            "TRITON_EMBED_ADMIN_KEY is not set: Triton's trace_rate stays as Triton started; the gateway's "
+            "own sampling follows load"
+        )
     return controller
 
 
@@ -218,9 +234,11 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
             if other != kind:
                 route = "/v1/rerank" if other == "reranker" else "/v1/embeddings"
                 raise ApiError(
-                    400, f"model '{model}' is a{'n' if other == 'embedder' else ''} {other}; send it to {route}",
-                    code="wrong_model_kind", param="model",
-                )  # fmt: skip
+                    400,
+                    f"model '{model}' is a{'n' if other == 'embedder' else ''} {other}; send it to {route}",
+                    code="wrong_model_kind",
+                    param="model",
+                )
             return named
         kinds = {name: await kind_of(e) for name, e in served.items()}
         of_kind = {name: e for name, e in served.items() if kinds[name] == kind}
@@ -230,9 +248,11 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
             await next(e for name, e in served.items() if kinds[name] is None).info()
         listed = ", ".join(of_kind) or "none"
         raise ApiError(
-            404, f"model '{model}' is not served here; the served {kind}s are {listed}",
-            code="model_not_found", param="model",
-        )  # fmt: skip
+            404,
+            f"model '{model}' is not served here; the served {kind}s are {listed}",
+            code="model_not_found",
+            param="model",
+        )
 
     def authorised(request: Request) -> bool:
         if settings.api_key is None:
@@ -255,9 +275,10 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
                 try:
                     if needs_key and not authorised(request):
                         raise ApiError(
-                            401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                            401,
+                            "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                             code="invalid_api_key",
-                        )  # fmt: skip
+                        )
                     response = await handler(request)
                     record_status(response.status_code)
                 except ApiError as error:
@@ -319,11 +340,19 @@ def build_app(  # noqa: PLR0915 - the routes are closures over one application's
         data = []
         for name, embedder in served.items():
             info = await embedder.info()
-            data.append({
-                "id": name, "object": "model", "created": 0, "owned_by": "triton-embed", "type": info.kind,
-                "dimension": info.dim, "max_tokens": info.max_tokens, "max_batch_size": info.max_batch_size,
-                "precision": info.precision,
-            })  # fmt: skip
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "triton-embed",
+                    "type": info.kind,
+                    "dimension": info.dim,
+                    "max_tokens": info.max_tokens,
+                    "max_batch_size": info.max_batch_size,
+                    "precision": info.precision,
+                }
+            )
         return json_response({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:

@@ -65,12 +65,20 @@ def _from_protobuf(body: bytes) -> list[ReceivedSpan]:
         resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
         for scope in resource_spans.scope_spans:
             for s in scope.spans:
-                spans.append(ReceivedSpan(
-                    str(resource.get("service.name", "")), s.name, s.trace_id.hex(), s.span_id.hex(),
-                    s.parent_span_id.hex(), int(s.kind), {a.key: _value(a.value) for a in s.attributes},
-                    tuple((e.name, int(e.time_unix_nano)) for e in s.events), int(s.start_time_unix_nano),
-                    int(s.end_time_unix_nano),
-                ))  # fmt: skip
+                spans.append(
+                    ReceivedSpan(
+                        str(resource.get("service.name", "")),
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                        int(s.kind),
+                        {a.key: _value(a.value) for a in s.attributes},
+                        tuple((e.name, int(e.time_unix_nano)) for e in s.events),
+                        int(s.start_time_unix_nano),
+                        int(s.end_time_unix_nano),
+                    )
+                )
     return spans
 
 
@@ -91,19 +99,26 @@ def _from_json(body: bytes) -> list[ReceivedSpan]:
     request = _norm(json.loads(body))
     spans = []
     for resource_spans in request.get("resourcespans", []):
-        resource = {a["key"]: _json_value(a.get("value", {})) for a in resource_spans.get("resource", {}).get(
-            "attributes", [])}  # fmt: skip
+        resource = {
+            a["key"]: _json_value(a.get("value", {})) for a in resource_spans.get("resource", {}).get("attributes", [])
+        }
         for scope in resource_spans.get("scopespans", []):
             for s in scope.get("spans", []):
                 kind = s.get("kind", 0)
-                spans.append(ReceivedSpan(
-                    str(resource.get("service.name", "")), s.get("name", ""), s.get("traceid", "").lower(),
-                    s.get("spanid", "").lower(), s.get("parentspanid", "").lower(),
-                    kind if isinstance(kind, int) else 0,
-                    {a["key"]: _json_value(a.get("value", {})) for a in s.get("attributes", [])},
-                    tuple((e.get("name", ""), int(e.get("timeunixnano", 0))) for e in s.get("events", [])),
-                    int(s.get("starttimeunixnano", 0)), int(s.get("endtimeunixnano", 0)),
-                ))  # fmt: skip
+                spans.append(
+                    ReceivedSpan(
+                        str(resource.get("service.name", "")),
+                        s.get("name", ""),
+                        s.get("traceid", "").lower(),
+                        s.get("spanid", "").lower(),
+                        s.get("parentspanid", "").lower(),
+                        kind if isinstance(kind, int) else 0,
+                        {a["key"]: _json_value(a.get("value", {})) for a in s.get("attributes", [])},
+                        tuple((e.get("name", ""), int(e.get("timeunixnano", 0))) for e in s.get("events", [])),
+                        int(s.get("starttimeunixnano", 0)),
+                        int(s.get("endtimeunixnano", 0)),
+                    )
+                )
     return spans
 
 
@@ -254,6 +269,8 @@ class OtlpReceiver:
             if names <= {s.name for s in spans}:
                 return spans
             if time.monotonic() > deadline:
-                raise AssertionError(f"spans of trace {trace_id} after {timeout_s:g} s: {sorted(s.name for s in spans)}"
-                                     f"; expected {sorted(names)}")  # fmt: skip
+                raise AssertionError(
+                    f"spans of trace {trace_id} after {timeout_s:g} s: {sorted(s.name for s in spans)}"
+                    f"; expected {sorted(names)}"
+                )
             time.sleep(0.1)

@@ -393,7 +393,9 @@ def cohere_rerank_response(
         for i in ranked(scores, request.top_n)
     ]
     return {
-        "id": request_id, "model": model, "results": results,
+        "id": request_id,
+        "model": model,
+        "results": results,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "meta": {"billed_units": {"search_units": 1}},
-    }  # fmt: skip
+    }

@@ -185,9 +185,13 @@ class SamplingController:
             p95 = "no request" if reading.p95_ms is None else f"p95 {reading.p95_ms:.0f} ms"
             log.info(
                 "trace sampling %.4g -> %.4g (%.1f requests/s, %s%s); Triton trace_rate %s",
-                current, share, reading.rate_per_s, p95, ", slow" if self.slow else "",
+                current,
+                share,
+                reading.rate_per_s,
+                p95,
+                ", slow" if self.slow else "",
                 self.triton_rate if self.triton_rate is not None else "unchanged",
-            )  # fmt: skip
+            )
             self._on_change(share, self.triton_rate)
         return reading
 

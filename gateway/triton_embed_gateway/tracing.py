@@ -118,8 +118,11 @@ class Tracing:
             yield {}
             return
         attributes: dict[str, str | int] = {
-            "rpc.system": "grpc", "rpc.method": "ModelInfer", "triton.model": model, "texts": texts,
-        }  # fmt: skip
+            "rpc.system": "grpc",
+            "rpc.method": "ModelInfer",
+            "triton.model": model,
+            "texts": texts,
+        }
         with self._tracer.start_as_current_span(f"triton {model}", kind=SpanKind.CLIENT, attributes=attributes) as span:
             carrier: dict[str, str] = {}
             if span.get_span_context().trace_flags.sampled:

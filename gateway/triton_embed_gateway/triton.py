@@ -208,17 +208,23 @@ class TritonEmbedder:
         if request.prompt_name is not None:
             inputs.append(_bytes_input(PROMPT_NAME, [request.prompt_name] * len(texts)))
         errors = functools.partial(api_error, offset=offset, field=field, prompt_field=request.prompt_field)
-        result = await self._ensemble(inputs, (EMBEDDING, TOKEN_COUNT), len(texts), request.latency_budget_ms, bulk,
-                                      errors)  # fmt: skip
+        result = await self._ensemble(
+            inputs, (EMBEDDING, TOKEN_COUNT), len(texts), request.latency_budget_ms, bulk, errors
+        )
         counts = result.as_numpy(TOKEN_COUNT)
         if counts is None:  # a cache hit on a response first asked for without it
             counts = await self._token_counts(inputs, errors)
         return result.as_numpy(EMBEDDING), counts.reshape(-1).astype(np.int64)
 
     async def _ensemble(  # noqa: PLR0913, PLR0917 - one request's pieces
-        self, inputs: list[grpcclient.InferInput], outputs: tuple[str, ...], rows: int, budget: float | None,
-        bulk: bool, errors: Callable[[InferenceServerException], ApiError],
-    ) -> grpcclient.InferResult:  # fmt: skip
+        self,
+        inputs: list[grpcclient.InferInput],
+        outputs: tuple[str, ...],
+        rows: int,
+        budget: float | None,
+        bulk: bool,
+        errors: Callable[[InferenceServerException], ApiError],
+    ) -> grpcclient.InferResult:
         """One request to the ensemble, traced; ``budget`` its ``latency_budget_ms`` (0 for a ``bulk`` chunk).
 
         Raises:
@@ -228,9 +234,13 @@ class TritonEmbedder:
         with self.tracing.triton_call(self.model, rows) as metadata:
             try:
                 return await self._client.infer(
-                    self.model, inputs, outputs=requested, parameters=_budget(budget, bulk),
-                    client_timeout=self.timeout_s, headers=metadata or None,
-                )  # fmt: skip
+                    self.model,
+                    inputs,
+                    outputs=requested,
+                    parameters=_budget(budget, bulk),
+                    client_timeout=self.timeout_s,
+                    headers=metadata or None,
+                )
             except InferenceServerException as exc:
                 raise errors(exc) from exc
 
@@ -254,9 +264,10 @@ class TritonEmbedder:
     ) -> tuple[Scores, Counts]:
         n = len(documents)
         inputs = [
-            _bytes_input(QUERY, [request.query] * n), _bytes_input(DOCUMENT, documents),
+            _bytes_input(QUERY, [request.query] * n),
+            _bytes_input(DOCUMENT, documents),
             _bytes_input(TRUNCATE, [request.truncate] * n),
-        ]  # fmt: skip
+        ]
         wanted = LOGIT if request.raw_scores else SCORE
         errors = functools.partial(rerank_error, offset=offset, field=request.documents_field)
         # all three, always: the response cache answers later requests with the outputs the first one asked for
@@ -281,14 +292,18 @@ class TritonEmbedder:
         """
         n = len(documents)
         inputs = [
-            _bytes_input(TEXT, [request.query] * n), _bytes_input("TEXT_PAIR", documents),
+            _bytes_input(TEXT, [request.query] * n),
+            _bytes_input("TEXT_PAIR", documents),
             _bytes_input(TRUNCATE, [request.truncate] * n),
-        ]  # fmt: skip
+        ]
         parameters = _budget(request.latency_budget_ms, bulk)
         tokens = await self._client.infer(
-            self.tokenizer, inputs, client_timeout=self.timeout_s, parameters=parameters,
+            self.tokenizer,
+            inputs,
+            client_timeout=self.timeout_s,
+            parameters=parameters,
             outputs=[grpcclient.InferRequestedOutput(out) for out in (*TOKENS, QUEUED, TOKENIZER_COUNT)],
-        )  # fmt: skip
+        )
         steps = []
         for name in (*TOKENS, QUEUED):
             array = tokens.as_numpy(name)
@@ -297,9 +312,12 @@ class TritonEmbedder:
             steps.append(tensor)
         output = "logit__0" if wanted == LOGIT else "embedding__0"
         result = await self._client.infer(
-            self.encoder, steps, outputs=[grpcclient.InferRequestedOutput(output)], client_timeout=self.timeout_s,
+            self.encoder,
+            steps,
+            outputs=[grpcclient.InferRequestedOutput(output)],
+            client_timeout=self.timeout_s,
             parameters=parameters,
-        )  # fmt: skip
+        )
         return result.as_numpy(output), tokens.as_numpy(TOKENIZER_COUNT)
 
     async def _token_counts(
@@ -312,9 +330,11 @@ class TritonEmbedder:
         """
         try:
             result = await self._client.infer(
-                self.tokenizer, inputs, outputs=[grpcclient.InferRequestedOutput(TOKENIZER_COUNT)],
+                self.tokenizer,
+                inputs,
+                outputs=[grpcclient.InferRequestedOutput(TOKENIZER_COUNT)],
                 client_timeout=self.timeout_s,
-            )  # fmt: skip
+            )
         except InferenceServerException as exc:
             raise errors(exc) from exc
         counts: Counts = result.as_numpy(TOKENIZER_COUNT)

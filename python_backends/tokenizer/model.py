@@ -338,9 +338,13 @@ class TritonPythonModel:
         self._hand_on(requests, texts_per_request, encoded, door, pairs)
 
     def _encode_pairs(
-        self, texts_per_request: list, seconds_per_request: list, modes_per_request: list, encoded: dict,
+        self,
+        texts_per_request: list,
+        seconds_per_request: list,
+        modes_per_request: list,
+        encoded: dict,
         errors: dict[int, str],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Tokenise the pairs (TEXT, TEXT_PAIR) of the requests that have them into ``encoded``.
 
         As the model's tokenizer joins a pair (its specials, its type ids), truncated longest-first (START: from the

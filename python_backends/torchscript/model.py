@@ -247,9 +247,15 @@ class TritonPythonModel:
         curve = ServiceCurve(self.runner.time_batches(tokens, grid(max_batch)), max_batch)
         try:
             self.admission = EncoderAdmission(
-                args["model_repository"], model_of_step(args["model_name"]), params, settings, curve,
-                threads=threads, publish=self._metrics.admission, count_refused=self._metrics.shed,
-            )  # fmt: skip
+                args["model_repository"],
+                model_of_step(args["model_name"]),
+                params,
+                settings,
+                curve,
+                threads=threads,
+                publish=self._metrics.admission,
+                count_refused=self._metrics.shed,
+            )
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
         pb_utils.Logger.log_info(

@@ -118,8 +118,15 @@ class TokenizerAdmission:
             return result
         lane_texts = state.bulk_texts if state.bulk_in_flight else 0  # the message offers the lane where there is one
         share = capacity_share(self.in_flight.others())  # the other models of this server share the machine
-        refused = admit(state.interactive, limit, [texts[i] for i in interactive], max_in_flight=state.max_in_flight,
-                        flood_ms=state.flood_ns / 1e6, bulk_texts=lane_texts, share=share)  # fmt: skip
+        refused = admit(
+            state.interactive,
+            limit,
+            [texts[i] for i in interactive],
+            max_in_flight=state.max_in_flight,
+            flood_ms=state.flood_ns / 1e6,
+            bulk_texts=lane_texts,
+            share=share,
+        )
         for k, message in refused.items():
             i = interactive[k]
             self._refusals.hold(arrived_ns + state.refusal_hold_ns, refusal(i, message), texts[i])
@@ -211,10 +218,17 @@ class EncoderAdmission:
     """
 
     def __init__(  # noqa: PLR0913 - what the backend measured and the two callbacks into its metrics
-        self, model_directory: str | Path, model: str, parameters: dict[str, str], settings: EncoderSettings,
-        curve: ServiceCurve, *, threads: int | None, publish: Callable[[Limits, ServiceCurve], None],
+        self,
+        model_directory: str | Path,
+        model: str,
+        parameters: dict[str, str],
+        settings: EncoderSettings,
+        curve: ServiceCurve,
+        *,
+        threads: int | None,
+        publish: Callable[[Limits, ServiceCurve], None],
         count_refused: Callable[[int], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Derive the knobs from ``curve`` (measured at load) and write them for the tokenizer.
 
         Args:
@@ -284,8 +298,9 @@ class EncoderAdmission:
                 bulk = texts
             else:
                 interactive = texts
-        ticket = Ticket(stamp, None if stamp is None else (now_ns - stamp) / 1e6, interactive, bulk,
-                        own_budget=BUDGET in parameters)  # fmt: skip
+        ticket = Ticket(
+            stamp, None if stamp is None else (now_ns - stamp) / 1e6, interactive, bulk, own_budget=BUDGET in parameters
+        )
         try:
             ticket.budget_ms = request_budget_ms(parameters, self.settings.latency_budget_ms)
         except BudgetError as exc:
@@ -307,8 +322,11 @@ class EncoderAdmission:
         """
         self._owed = [sum(t.interactive for t in tickets), sum(t.bulk for t in tickets)]  # direct callers: 0
         live = [i for i, t in enumerate(tickets) if t.error is None]
-        refused = shed([tickets[i].waited_ms for i in live], [tickets[i].budget_ms for i in live],
-                       [tickets[i].own_budget for i in live])  # fmt: skip
+        refused = shed(
+            [tickets[i].waited_ms for i in live],
+            [tickets[i].budget_ms for i in live],
+            [tickets[i].own_budget for i in live],
+        )
         if not refused:
             return set()
         gone = [sum(tickets[live[k]].interactive for k in refused), sum(tickets[live[k]].bulk for k in refused)]

@@ -436,8 +436,11 @@ class Knobs:
                 how["MAX_IN_FLIGHT"] = f"half the door at load; the curve alone gives {door} ({predicted})"
                 door = math.ceil(self._load_door * FLOOR)
             if self.served and (scale := self.served.update(self._door_now, now)) != 1.0:
-                floor = largest_within(lambda n: time_in_service(self.curve, n, table), budget_s * FEEDBACK_FLOOR_SHARE,
-                                       MAX_DOOR_BATCHES * batch)  # fmt: skip
+                floor = largest_within(
+                    lambda n: time_in_service(self.curve, n, table),
+                    budget_s * FEEDBACK_FLOOR_SHARE,
+                    MAX_DOOR_BATCHES * batch,
+                )
                 scaled = math.ceil(door * scale) if scale > 1 else round(door * scale)  # a door of 1 can open
                 door = max(min(door, floor), min(MAX_DOOR_BATCHES * batch, scaled))
                 how["MAX_IN_FLIGHT"] += f", x{scale:.2f} by the served p99 ({self.served.p99_ms:.0f} ms)"
@@ -454,8 +457,9 @@ class Knobs:
     def limits(self, now: float | None = None) -> Limits:
         """The knobs in force now (``time.monotonic()``; None: read it), from the curve as it stands."""
         door, bulk, how = self._door_and_lane(now)
-        return Limits(self.sla_ms, door, bulk, self.bulk_texts, self.flood_latency_ms, self.served_p99_ms,
-                      {**self._how, **how})  # fmt: skip
+        return Limits(
+            self.sla_ms, door, bulk, self.bulk_texts, self.flood_latency_ms, self.served_p99_ms, {**self._how, **how}
+        )
 
     def started(self, texts: int) -> None:
         """An execution starts with ``texts`` interactive texts in flight (the door's count)."""

@@ -137,8 +137,16 @@ def is_bulk(parameters: dict, texts: int, bulk_in_flight: int, bulk_texts: int) 
         return False
 
 
-def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int | None = None, flood_ms: float = 0.0,
-                 bulk_texts: int = 0, share: float = 1.0) -> str:  # fmt: skip
+def full_message(
+    in_flight: int,
+    texts: int,
+    limit: int,
+    *,
+    max_in_flight: int | None = None,
+    flood_ms: float = 0.0,
+    bulk_texts: int = 0,
+    share: float = 1.0,
+) -> str:
     """The UNAVAILABLE message of a request refused at the door: the load, the request, the limit and the knobs.
 
     Args:
@@ -153,14 +161,18 @@ def full_message(in_flight: int, texts: int, limit: int, *, max_in_flight: int |
     reason = "door"
     if share < 1:
         reason = "shared"
-        why = (f"{share:.0%} of this model's door, the other models of this server holding the rest of the "
-               "machine's; MAX_IN_FLIGHT in each encoder's config")  # fmt: skip
+        why = (
+            f"{share:.0%} of this model's door, the other models of this server holding the rest of the "
+            "machine's; MAX_IN_FLIGHT in each encoder's config"
+        )
     elif max_in_flight is None or limit >= max_in_flight:
         why = "MAX_IN_FLIGHT, the encoder's door now; `triton-embed stats` shows how it was set"
     else:
         reason = "flood"
-        why = (f"under a flood: the texts the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
-               f"of MAX_IN_FLIGHT to all of it, {max_in_flight}, in the encoder's config")  # fmt: skip
+        why = (
+            f"under a flood: the texts the encoder answers in FLOOD_LATENCY_MS, {flood_ms:g} ms, from half "
+            f"of MAX_IN_FLIGHT to all of it, {max_in_flight}, in the encoder's config"
+        )
     lane = (
         f"; a request of more than {bulk_texts} texts or with the request parameter latency_budget_ms 0 waits in the "
         "bulk lane instead"
@@ -210,9 +222,14 @@ def admit(
     for i, n in enumerate(texts):
         if limit and in_flight and in_flight + n > limit:
             refused[i] = full_message(
-                in_flight, n, limit, max_in_flight=max_in_flight, flood_ms=flood_ms, bulk_texts=bulk_texts,
+                in_flight,
+                n,
+                limit,
+                max_in_flight=max_in_flight,
+                flood_ms=flood_ms,
+                bulk_texts=bulk_texts,
                 share=share,
-            )  # fmt: skip
+            )
         else:
             in_flight += n
     return refused
@@ -523,8 +540,13 @@ class InFlight:
 
         return self._update(change).interactive
 
-    def reset(self, limit: int | None = None, hold_ns: int | None = None, flood_ns: int | None = None,
-              bulk: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+    def reset(
+        self,
+        limit: int | None = None,
+        hold_ns: int | None = None,
+        flood_ns: int | None = None,
+        bulk: tuple[int, int, int] | None = None,
+    ) -> None:
         """Set the counts to 0 (a backend loading); delete the files of servers no longer running.
 
         Args:

@@ -139,9 +139,15 @@ class Gateway:
     """The embeddings HTTP gateway (``python -m triton_embed_gateway``) as a child process, on ``host:port``."""
 
     def __init__(  # noqa: PLR0913 - where it runs and what it serves
-        self, grpc_url: str, host: str, port: int, models: list[str], admin_key: str | None = None, *,
+        self,
+        grpc_url: str,
+        host: str,
+        port: int,
+        models: list[str],
+        admin_key: str | None = None,
+        *,
         rerankers: tuple[str, ...] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Start nothing yet; ``models``: the ensembles it serves, the first the default.
 
         ``admin_key``: Triton's admin key, with which the gateway sets Triton's trace rate; ``rerankers``: which of
@@ -151,9 +157,17 @@ class Gateway:
         self._env = {**os.environ, ADMIN_KEY_ENV: admin_key} if admin_key else None
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '', '::') else host}:{port}"  # noqa: S104
         self._command = [
-            sys.executable, "-m", "triton_embed_gateway", "--triton", grpc_url, "--host", host, "--port", str(port),
+            sys.executable,
+            "-m",
+            "triton_embed_gateway",
+            "--triton",
+            grpc_url,
+            "--host",
+            host,
+            "--port",
+            str(port),
             *(arg for model in models for arg in ("--model", model)),
-        ]  # fmt: skip
+        ]
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 30.0) -> bool:

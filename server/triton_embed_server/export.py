@@ -562,9 +562,15 @@ def check_pairs() -> list[tuple[str, str]]:
 
 
 def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed on
-    model_path: Path, repository: Path, name: str, templates: Path, choice, precision: str, gate: str,
+    model_path: Path,
+    repository: Path,
+    name: str,
+    templates: Path,
+    choice,
+    precision: str,
+    gate: str,
     corpus: Path | None,
-) -> ExportManifest:  # fmt: skip
+) -> ExportManifest:
     """:func:`export` for a cross-encoder: the pair tokenizer and ``encoder_module.PairScorer``.
 
     The fp32 module's scores and logits must equal ``CrossEncoder.predict``'s (with its activation, and with none)
@@ -595,8 +601,12 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
         return ce.predict(pairs, batch_size=CHECK_BATCH, activation_fn=activation, show_progress_bar=False)
 
     def served_scores(module, pairs: list[tuple[str, str]]):
-        return np.concatenate([score_like_server(_copy(tokenizer), module, pairs[i : i + CHECK_BATCH])
-                               for i in range(0, len(pairs), CHECK_BATCH)])  # fmt: skip
+        return np.concatenate(
+            [
+                score_like_server(_copy(tokenizer), module, pairs[i : i + CHECK_BATCH])
+                for i in range(0, len(pairs), CHECK_BATCH)
+            ]
+        )
 
     traced, info = scorer_at("fp32")
     tokenizer = _served_tokenizer(ce, model_path, info["max_seq_length"])
@@ -635,13 +645,27 @@ def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed o
         else:
             raise ExportCheckError(f"{figure}: export at fp32")
     manifest = ExportManifest(
-        source=str(model_path), source_digest=source_digest(model_path), exporter_digest=exporter_digest(), dim=1,
-        max_seq_length=info["max_seq_length"], vocab_size=info["vocab_size"], pooling="pair",
-        max_abs_diff=float(diffs.max()), model_type=info["model_type"], attention=info["attention"],
-        precision=served_at, precision_asked=choice.precision, precision_reason=choice.reason, min_cosine=1.0,
-        gate=gate, precision_setting=precision, kind="reranker", activation=info["activation"],
-        max_score_diff=worst, rank_agreement=agreement,
-    )  # fmt: skip
+        source=str(model_path),
+        source_digest=source_digest(model_path),
+        exporter_digest=exporter_digest(),
+        dim=1,
+        max_seq_length=info["max_seq_length"],
+        vocab_size=info["vocab_size"],
+        pooling="pair",
+        max_abs_diff=float(diffs.max()),
+        model_type=info["model_type"],
+        attention=info["attention"],
+        precision=served_at,
+        precision_asked=choice.precision,
+        precision_reason=choice.reason,
+        min_cosine=1.0,
+        gate=gate,
+        precision_setting=precision,
+        kind="reranker",
+        activation=info["activation"],
+        max_score_diff=worst,
+        rank_agreement=agreement,
+    )
     _write_model(repository, name, templates, manifest, tokenizer, {"prompts": {}, "default_prompt_name": None}, traced)
     return manifest
 
@@ -755,8 +779,10 @@ def _min_cosine(tokenizer, traced, texts: list[str], reference, batch_size: int 
 
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     copy = _copy(tokenizer)
-    parts = [_embed_like_server(copy, traced, [texts[i] for i in order[k : k + batch_size]])
-             for k in range(0, len(order), batch_size)]  # fmt: skip
+    parts = [
+        _embed_like_server(copy, traced, [texts[i] for i in order[k : k + batch_size]])
+        for k in range(0, len(order), batch_size)
+    ]
     served = np.empty((len(texts), parts[0].shape[1]), dtype=np.float32)
     served[order] = np.concatenate(parts)
     return float((served * reference).sum(axis=1).min())

@@ -192,8 +192,9 @@ def finish_stop(server_pid: int, timeout_s: float, confirm_s: float = 1.0) -> li
             log.warning(
                 "tritonserver (pid %d) has unloaded every model but the one whose stub died (pid %s, never reaped), "
                 "which Triton 2.51 waits for until its exit timeout; killed it: no request could still be in it",
-                server_pid, ", ".join(map(str, dead)),
-            )  # fmt: skip
+                server_pid,
+                ", ".join(map(str, dead)),
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(server_pid, signal.SIGKILL)
             return dead
@@ -267,8 +268,10 @@ class StubWatchdog:
         # reaped yet on a busy machine (not a crash). _catch_unknown accounts for it if it stays a zombie.
         retired = {pid for pid, m in dead.items() if m in staffing and staffing[m][0] >= staffing[m][1]}
         if retired:
-            log.info("stub process %s exited with its model's stubs all alive (a reload); not a crash",
-                     ", ".join(map(str, sorted(retired))))  # fmt: skip
+            log.info(
+                "stub process %s exited with its model's stubs all alive (a reload); not a crash",
+                ", ".join(map(str, sorted(retired))),
+            )
         crashed = {pid: m for pid, m in dead.items() if pid not in retired}
         failed = {}
         for model in sorted(set(crashed.values())):
@@ -302,8 +305,11 @@ class StubWatchdog:
         if staffing is None:  # the server did not answer: look again next time
             return
         short = [model for model, (alive, instances) in staffing.items() if alive < instances]
-        log.warning("stub process %s died before it was watched; short of stubs: %s",
-                    ", ".join(map(str, sorted(unknown))), ", ".join(short) or "no model")  # fmt: skip
+        log.warning(
+            "stub process %s died before it was watched; short of stubs: %s",
+            ", ".join(map(str, sorted(unknown))),
+            ", ".join(short) or "no model",
+        )
         if all([self._reload(model) for model in short]):
             self._unknown_dead |= unknown  # counted for: not again, even if Triton never reaps it
 
@@ -379,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-header", default=ADMIN_HEADER, help="header the repository API is locked to")
     parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between looks at the stubs")
     parser.add_argument(
-        "--finish-stop", action="store_true",
+        "--finish-stop",
+        action="store_true",
         help="the server was told to stop: wait until it exits, killing it if it waits only for a dead stub",
-    )  # fmt: skip
+    )
     parser.add_argument("--timeout-s", type=float, default=40.0, help="with --finish-stop: longest wait, seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="triton-embed stub watchdog: %(message)s")
@@ -394,9 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     if not process_alive(args.server_pid):
         return 0
     watchdog = StubWatchdog(
-        server_pid=args.server_pid, http_url=f"127.0.0.1:{args.http_port}", admin_header=args.admin_header,
-        admin_key=key, interval_s=args.interval_s,
-    ).start()  # fmt: skip
+        server_pid=args.server_pid,
+        http_url=f"127.0.0.1:{args.http_port}",
+        admin_header=args.admin_header,
+        admin_key=key,
+        interval_s=args.interval_s,
+    ).start()
     log.info("watching the stubs of tritonserver (pid %d) from its start", args.server_pid)
     while process_alive(args.server_pid):
         time.sleep(args.interval_s)

@@ -22,10 +22,15 @@ class Backends:
         # 2 ms + 1 ms a text: the door (predicted 2 executions within 0.85 x 200 ms) holds dozens of texts
         curve = ServiceCurve({n: (2 + n) / 1000 for n in grid(64)}, 64)
         self.encoder = EncoderAdmission(
-            root / "repo" / "encoder", "embed", parameters, EncoderSettings.read(parameters), curve, threads=2,
+            root / "repo" / "encoder",
+            "embed",
+            parameters,
+            EncoderSettings.read(parameters),
+            curve,
+            threads=2,
             publish=lambda limits, _: self.published.append(limits.knobs()),
             count_refused=lambda n: self._count("encoder", n),
-        )  # fmt: skip
+        )
         self.tokenizer = TokenizerAdmission(root / "repo" / "tokenizer", "embed", lambda n: self._count("tokenizer", n))
 
     def _count(self, step: str, n: int) -> None:

@@ -75,7 +75,7 @@ def test_the_gateway_command_without_its_extra_names_the_extra_in_one_line():
     )
     done = subprocess.run(
         [sys.executable, "-c", script, "--help"], capture_output=True, text=True, check=False, timeout=60
-    )  # fmt: skip
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1
     assert "the gateway needs the 'gateway' extra (pip install 'triton-embed[gateway]')" in done.stderr

@@ -87,8 +87,11 @@ def test_torch_build_is_read_without_importing_torch():
     read = torch_build()
     truth = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout.split()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.split()
     assert read == (truth[0], None if truth[1] == "None" else truth[1])
 
 

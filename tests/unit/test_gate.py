@@ -76,8 +76,12 @@ def test_the_worst_stretch_names_the_seconds_that_failed_the_run():
         "Worst stretch: 13-16 s into the run: 6 of the window's 7 failures, per-second p99 up to 780 ms"
     )
     assert worst_stretch(rows, (0.0, 12.0), sla_ms=1000.0) == {
-        "from_s": 5.0, "to_s": 6.0, "failures": 1, "window_failures": 1, "max_p99_ms": 20.0
-    }  # fmt: skip
+        "from_s": 5.0,
+        "to_s": 6.0,
+        "failures": 1,
+        "window_failures": 1,
+        "max_p99_ms": 20.0,
+    }
     assert worst_stretch(timeline(samples([20.0] * 500), origin_s=100.0), (0.0, 5.0), sla_ms=200.0) is None
     calm = worst_stretch(timeline(samples(latencies), origin_s=100.0), (3.0, 20.0), sla_ms=200.0)
     assert stretch_line(calm) == "Worst stretch: 13-16 s into the run: per-second p99 up to 780 ms, no failures"

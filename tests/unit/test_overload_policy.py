@@ -24,10 +24,19 @@ from triton_embed_protocol.overload import (
 )
 
 
-@pytest.mark.parametrize(("parameters", "expected"), [
-    (None, 180.0), ("", 180.0), ("{}", 180.0), ('{"truncate": true}', 180.0), ("not json", 180.0),
-    ('{"latency_budget_ms": 0}', 0.0), ('{"latency_budget_ms": 2.5}', 2.5), ('{"latency_budget_ms": 3600000}', 3.6e6),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [
+        (None, 180.0),
+        ("", 180.0),
+        ("{}", 180.0),
+        ('{"truncate": true}', 180.0),
+        ("not json", 180.0),
+        ('{"latency_budget_ms": 0}', 0.0),
+        ('{"latency_budget_ms": 2.5}', 2.5),
+        ('{"latency_budget_ms": 3600000}', 3.6e6),
+    ],
+)
 def test_the_budget_is_the_request_parameter_else_the_models(parameters, expected):
     assert request_budget_ms(request_parameters(parameters), 180.0) == expected
 
@@ -140,10 +149,17 @@ def test_no_limit_refuses_nothing():
     assert admit(in_flight=10_000, limit=0, texts=[64] * 64) == {}
 
 
-@pytest.mark.parametrize(("parameters", "texts", "expected"), [
-    ({}, 8, False), ({}, 9, True), ({"latency_budget_ms": 0}, 1, True), ({"latency_budget_ms": 50}, 1, False),
-    ({"latency_budget_ms": 50}, 64, True), ({"latency_budget_ms": -1}, 1, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("parameters", "texts", "expected"),
+    [
+        ({}, 8, False),
+        ({}, 9, True),
+        ({"latency_budget_ms": 0}, 1, True),
+        ({"latency_budget_ms": 50}, 1, False),
+        ({"latency_budget_ms": 50}, 64, True),
+        ({"latency_budget_ms": -1}, 1, False),
+    ],
+)
 def test_bulk_is_more_than_bulk_texts_or_budget_zero(parameters, texts, expected):
     assert is_bulk(parameters, texts, bulk_in_flight=64, bulk_texts=8) is expected
     assert is_bulk(parameters, texts, bulk_in_flight=0, bulk_texts=8) is False  # no lane: all meet the door
@@ -285,8 +301,10 @@ def test_the_bulk_lane_hands_on_in_order_within_its_share_and_refuses_past_its_q
         time.sleep(0.05)
         assert sent == ["a"] and lane.waiting() == 128 and flight.door().bulk == 64
         message = lane.offer(200, lambda: sent.append("e"), bulk_queue=256)
-        assert message == ("overloaded[bulk_queue]: 128 bulk texts are waiting and this request has 200; the limit is "
-                           "256 texts (BULK_QUEUE in the encoder's config). Retry with backoff")  # fmt: skip
+        assert message == (
+            "overloaded[bulk_queue]: 128 bulk texts are waiting and this request has 200; the limit is "
+            "256 texts (BULK_QUEUE in the encoder's config). Retry with backoff"
+        )
         flight.answer(64)
         wait_for(lambda: sent == ["a", "b", "c"])  # 32 + 32 fit the share
         time.sleep(0.05)

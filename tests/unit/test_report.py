@@ -66,8 +66,12 @@ def test_failures_are_listed_by_message(tmp_path):
     data = make(steps)
     bad = [Sample(101.0, 5.0, "embed x1", "grpc", True, "ServerUnavailableError: overloaded")] * 3
     data["errors"] = report.errors(bad + [Sample(101.0, 5.0, "embed x8", "http", True, "EmbeddingTimeoutError: t")])
-    assert data["errors"][0] == {"type": "grpc", "name": "embed x1", "error": "ServerUnavailableError: overloaded",
-                                 "count": 3}  # fmt: skip
+    assert data["errors"][0] == {
+        "type": "grpc",
+        "name": "embed x1",
+        "error": "ServerUnavailableError: overloaded",
+        "count": 3,
+    }
     assert "| grpc | embed x1 | 3 | ServerUnavailableError: overloaded |" in report._markdown(data)
 
 
@@ -79,10 +83,13 @@ def test_failures_that_differ_only_in_their_numbers_are_one_kind():
     timeout = Sample(101.0, 5.0, "embed x1", "grpc", True, "EmbeddingTimeoutError: no answer within 10 s")
     kinds = report.errors([refused(193, 180), refused(204, 180), refused(377, 180), timeout, refused(185, 100)])
     assert [(k["count"], k["error"]) for k in kinds] == [
-        (4, "ServerUnavailableError: overloaded: the request waited 193 ms in the encoder's queue, over the 180 ms "
-         "latency budget"),
+        (
+            4,
+            "ServerUnavailableError: overloaded: the request waited 193 ms in the encoder's queue, over the 180 ms "
+            "latency budget",
+        ),
         (1, "EmbeddingTimeoutError: no answer within 10 s"),
-    ]  # fmt: skip
+    ]
 
 
 def test_cache_hits_are_called_out():

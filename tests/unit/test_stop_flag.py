@@ -30,9 +30,14 @@ print(woke, raised)
 
 def test_a_signal_inside_the_stop_flags_wait_sets_it_without_hanging():
     done = subprocess.run(
-        [sys.executable, "-c", PROGRAM], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+        [sys.executable, "-c", PROGRAM],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
         env={"PYTHONPATH": str(ROOT / "server"), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     woke, raised = done.stdout.split()
     assert woke == "True" and int(raised) >= 1

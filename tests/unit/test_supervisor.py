@@ -66,8 +66,12 @@ def test_the_script_exits_at_once_when_the_server_is_already_gone():
     # as the entrypoint runs it, a script; -I -S: no site-packages, so it must need nothing beyond the stdlib
     done = subprocess.run(
         [sys.executable, "-I", "-S", SCRIPT, "--server-pid", str(gone.pid), "--http-port", str(free_port())],
-        env={"TRITON_EMBED_ADMIN_KEY": "k"}, capture_output=True, text=True, check=False, timeout=30,
-    )  # fmt: skip
+        env={"TRITON_EMBED_ADMIN_KEY": "k"},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -131,6 +135,10 @@ def test_finish_stop_as_a_script_reports_a_server_that_exited_by_itself():
     gone.wait()
     done = subprocess.run(
         [sys.executable, "-I", "-S", SCRIPT, "--server-pid", str(gone.pid), "--finish-stop", "--timeout-s", "5"],
-        env={}, capture_output=True, text=True, check=False, timeout=30,
-    )  # fmt: skip
+        env={},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
     assert done.returncode == 1, done.stderr

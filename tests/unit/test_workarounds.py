@@ -35,9 +35,11 @@ def marked_files() -> set[str]:
     return {
         name
         for name in tracked
-        if not name.startswith(("docs/", "tests/")) and name != "README.md"
-        and (ROOT / name).is_file() and MARKER in (ROOT / name).read_text(errors="replace")
-    }  # fmt: skip
+        if not name.startswith(("docs/", "tests/"))
+        and name != "README.md"
+        and (ROOT / name).is_file()
+        and MARKER in (ROOT / name).read_text(errors="replace")
+    }
 
 
 def test_each_workaround_names_its_files_and_they_say_so():
