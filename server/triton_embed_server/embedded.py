@@ -359,7 +359,10 @@ class EmbeddedServer:
         return served_ensembles(self.config.model_repository)
 
     def wait_ready(self, timeout_s: float = 180.0, cancel: StopFlag | threading.Event | None = None) -> EmbeddedServer:
-        """Block until every model is READY, or ``cancel`` is set.
+        """Block until every model is READY and the metrics port listens, or ``cancel`` is set.
+
+        Triton opens its metrics port last, tens of ms after the HTTP one: a scrape right after ready must not be
+        refused.
 
         Raises:
             StartupCancelled: ``cancel`` was set first (``serve`` sets it on SIGTERM/SIGINT: loading the model
@@ -375,7 +378,11 @@ class EmbeddedServer:
                 raise ServerError(f"tritonserver exited with code {code} before it was ready{self._log_tail()}")
             # ours, not another server's answer on the same port (two started at once both pass start()'s check;
             # the one that loses the bind would otherwise report ready before it exits)
-            if self.is_ready() and listens_on(self.pid, self.config.http_port):
+            if (
+                self.is_ready()
+                and listens_on(self.pid, self.config.http_port)
+                and listens_on(self.pid, self.config.metrics_port)
+            ):
                 return self
             time.sleep(0.25)
         raise ServerError(f"models not ready after {timeout_s:.0f} s{self._log_tail()}")
