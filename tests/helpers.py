@@ -365,6 +365,14 @@ class ServeRun:
         return self.output()
 
 
+def serve_command(http_port: int | str, grpc_port: int | str, metrics_port: int | str, *args: str) -> list[str]:
+    """``python -m triton_embed_server serve`` on the three ports, with ``args``, as a user starts it."""
+    import sys
+
+    ports = ("--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port))
+    return [sys.executable, "-m", "triton_embed_server", "serve", *ports, *args]
+
+
 @contextlib.contextmanager
 def serve_running(log: Path, *args: str, new_session: bool = False, wait_ready: bool = True):
     """``python -m triton_embed_server serve`` on free loopback ports with ``args``, its output in the file ``log``
@@ -374,24 +382,11 @@ def serve_running(log: Path, *args: str, new_session: bool = False, wait_ready: 
     ``new_session``: its own process group, as a terminal runs it (a Ctrl-C test signals the whole group).
     """
     import subprocess
-    import sys
 
     from triton_embed_server.embedded import free_port
 
     ports = [str(free_port()) for _ in range(3)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "triton_embed_server",
-        "serve",
-        "--http-port",
-        ports[0],
-        "--grpc-port",
-        ports[1],
-        "--metrics-port",
-        ports[2],
-        *args,
-    ]
+    cmd = serve_command(*ports, *args)
     with open(log, "ab") as out:
         proc = subprocess.Popen(  # noqa: S603 - our own module
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=new_session

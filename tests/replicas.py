@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy_helpers import prom_api, tool
-from helpers import running_until_ready
+from helpers import running_until_ready, serve_command
 from triton_embed_server.embedded import _spawn_args, free_port
 from triton_embed_server.supervisor import process_alive
 
@@ -144,25 +143,9 @@ class Replica:
 
     def start(self) -> Replica:
         """Start serve in the namespace (it dies with this process: the parent-death signal)."""
-        command = [
-            "ip",
-            "netns",
-            "exec",
-            self.ns,
-            sys.executable,
-            "-m",
-            "triton_embed_server",
-            "serve",
-            "--host",
-            self.address,
-            "--http-port",
-            str(HTTP_PORT),
-            "--grpc-port",
-            str(GRPC_PORT),
-            "--metrics-port",
-            str(METRICS_PORT),
-            *(["--model-repository", str(self.repository)] if self.repository else []),
-        ]
+        repository = ["--model-repository", str(self.repository)] if self.repository else []
+        serve = serve_command(HTTP_PORT, GRPC_PORT, METRICS_PORT, "--host", self.address, *repository)
+        command = ["ip", "netns", "exec", self.ns, *serve]
         argv, preexec = _spawn_args(command)
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(  # noqa: S603 - our own module

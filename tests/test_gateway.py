@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, reference_embed
-from helpers import doc_examples, running_until_ready
+from helpers import doc_examples, running_until_ready, serve_command
 
 TEXTS = [
     "A man is playing a guitar.",
@@ -236,20 +236,7 @@ def test_serve_starts_the_gateway_beside_tritonserver_and_stops_it(tmp_path):
 
     http, grpc, metrics, port = (str(free_port()) for _ in range(4))
     log = tmp_path / "serve.log"
-    command = [
-        sys.executable,
-        "-m",
-        "triton_embed_server",
-        "serve",
-        "--http-port",
-        http,
-        "--grpc-port",
-        grpc,
-        "--metrics-port",
-        metrics,
-        "--gateway-port",
-        port,
-    ]
+    command = serve_command(http, grpc, metrics, "--gateway-port", port)
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:

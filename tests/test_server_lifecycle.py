@@ -6,7 +6,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import serve_running
+from helpers import serve_command, serve_running
 from triton_embed import EmbeddingClient
 from triton_embed_server.embedded import EmbeddedServer, ServerError, free_port
 from triton_embed_server.shm import backend_regions
@@ -77,19 +76,9 @@ def test_sigterm_during_startup_stops_at_once_without_claiming_ready(tmp_path):
 
 def test_a_second_serve_on_a_port_in_use_fails_at_once_and_leaves_the_first_serving(serve_process):
     proc, server_pid, ports = serve_process.proc, serve_process.server_pid, serve_process.ports
-    cmd = [
-        sys.executable,
-        "-m",
-        "triton_embed_server",
-        "serve",
-        "--http-port",
-        ports[0],
-        "--grpc-port",
-        str(free_port()),
-        "--metrics-port",
-        str(free_port()),
-    ]
-    second = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+    second = subprocess.run(
+        serve_command(ports[0], free_port(), free_port()), capture_output=True, text=True, check=False, timeout=60
+    )
     assert second.returncode == 1, second.stdout + second.stderr
     assert f"http port {ports[0]} on 127.0.0.1 is in use" in second.stderr
     assert "ready" not in second.stdout and "restart" not in second.stdout + second.stderr
