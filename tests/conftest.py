@@ -33,6 +33,27 @@ def pytest_configure(config) -> None:
         os.sched_setaffinity(0, cores[n % len(cores) :: workers])
 
 
+# The files with the most worker-seconds in make test (docs/benchmarks.md, "make test"), longest first. make test
+# hands them to the two workers before the rest (--no-loadscope-reorder keeps this order; xdist's own orders files by
+# their count of tests), so that the short files fill in at the end and neither worker waits long for the other.
+LONGEST_FILES = (
+    "test_bench.py",
+    "test_deploy_runtime.py",
+    "test_faults.py",
+    "test_server_lifecycle.py",
+    "test_overload.py",
+    "test_architectures.py",
+    "test_replicas.py",
+    "test_gpu_check.py",
+)
+
+
+def pytest_collection_modifyitems(config, items: list) -> None:
+    """Put the tests of :data:`LONGEST_FILES` first, in that order; the rest keep their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @dataclass(frozen=True)
 class StsPair:
     """One STS Benchmark pair: gold similarity 0..5 and the two sentences."""
