@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import infer, text_tensor
-from small_models import RERANKER_ARCHITECTURES, small_cross_encoder, small_sentence_transformer
+from small_models import RERANKER_ARCHITECTURES, repository_for, small_cross_encoder, small_sentence_transformer
 from tritonclient.utils import InferenceServerException
 
 RERANKERS = {"rerank": "bert", "rerank_xlmr": "xlm-roberta", "rerank_modern": "modernbert"}
@@ -35,8 +35,9 @@ DOCUMENTS = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """An embedder (``embed``) and the three rerankers exported into one repository by the exporter's command line,
-    served by one server; yields ``(server, {name: folder})``."""
+    """An embedder (``embed``) and the three rerankers exported into one repository by the exporter (``make model``
+    runs the same ``export``; its command line: test_models.py and the refusals below), served by one server; yields
+    ``(server, {name: folder})``."""
     from triton_embed_server.embedded import EmbeddedServer
 
     tmp = tmp_path_factory.mktemp("rerank")
@@ -44,24 +45,7 @@ def served(tmp_path_factory):
     folders = {name: small_cross_encoder(tmp / name, architecture=arch) for name, arch in RERANKERS.items()}
     embedder = small_sentence_transformer(tmp / "embed", 32)
     for name, folder in {"embed": embedder, **folders}.items():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "triton_embed_server.export",
-                "--repository",
-                str(repo),
-                "--model",
-                str(folder),
-                "--name",
-                name,
-                "--precision",
-                "fp32",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        repository_for(folder, repo, name=name)
     with EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp / "log") as srv:
         yield srv, folders
 
