@@ -62,7 +62,7 @@ def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_pa
             "--tool",
             "client",
             "--levels",
-            "4,8",
+            "8",
             "--seconds",
             "2",
             "--instances",
