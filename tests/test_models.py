@@ -36,15 +36,17 @@ def test_one_models_flood_leaves_both_models_one_text_p99_within_the_sla(tmp_pat
     (``overload.capacity_share``), so the accepted one-text p99 of both stays within the SLA and the model that is
     not flooded keeps most of its answers."""
     import asyncio
+    import shutil
 
     from triton_embed_server import export as exporter
     from triton_embed_server.embedded import EmbeddedServer
+    from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY
 
     from bench.loops import model_loops
 
     repo = tmp_path / "repo"
-    for name in ("embed", "multi"):
-        exporter.export(exporter.default_model_path(), repo, precision="fp32", name=name)
+    shutil.copytree(DEFAULT_MODEL_REPOSITORY, repo)  # make reference-model's: the packaged model at fp32 as embed
+    exporter.export(exporter.default_model_path(), repo, precision="fp32", name="multi")
     texts = [f"shared {time.time_ns()} sentence number {i} about something new" for i in range(200_000)]
     groups = [("embed", 24, 1), ("multi", 24, 1), ("embed", 32, 1)]
     server = EmbeddedServer(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log")
