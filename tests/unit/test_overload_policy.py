@@ -236,7 +236,10 @@ def test_the_in_flight_count_is_shared_by_the_stubs_of_one_model_and_heals_itsel
         assert tokenizer.others() == []  # a model whose backends have not loaded has no file
         beside.reset()  # its backends loaded
         assert beside.door()[0] == 0 and encoder.door()[0] == 5  # another model has its own count
-        assert [o.interactive for o in beside.others()] == [5] and [o.interactive for o in tokenizer.others()] == [0]
+        assert [o.interactive for o in beside.others()] == [5]
+        assert tokenizer.others() == []  # the tokenizer looked for other models' files less than SIBLINGS_NS ago
+        time.sleep(InFlight.SIBLINGS_NS / 1e9)
+        assert [o.interactive for o in tokenizer.others()] == [0]  # its next look finds the model loaded since
         assert elsewhere.others() == []
         assert encoder.answered(3) == 2
         assert tokenizer.door()[0] == 2  # the encoder went idle just now: the two may still reach it
