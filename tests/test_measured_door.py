@@ -26,6 +26,10 @@ from bench.loops import no_backoff_loop
 from bench.serving import variant_repository
 
 SLA_MS = 200  # SLA_MS as shipped
+FAST_CLIENTS = 72
+"""One-text clients of the tiny model: past all-MiniLM-L6-v2's knee on 2 cores (32-64 texts). Not 96: on the one
+core of a make test worker, shared with its clients, their p99 reaches the served-p99 target (140 ms) now and then,
+and the door then narrows below 96 as it should (docs/benchmarks.md, "The door under load follows the served p99")."""
 
 
 def admission(server) -> dict[str, float]:
@@ -69,11 +73,11 @@ def test_a_faster_machine_measures_a_wider_door_and_a_loop_past_the_old_one_is_n
     knobs = admission(fast_server)
     log = fast_server.config.log_file.read_text()
     print(knobs, load_time_door(log))
-    assert knobs["SLA_MS"] == SLA_MS and knobs["MAX_IN_FLIGHT"] > 96
+    assert knobs["SLA_MS"] == SLA_MS and knobs["MAX_IN_FLIGHT"] > FAST_CLIENTS
     cores, how = usable_cores()  # the test's own cgroup and affinity, which the server inherited
     assert f"torch threads {cores} ({how})" in log
-    answers, errors = closed_loop(fast_server.grpc_url, texts("fast"), clients=96, seconds=5)
-    assert answers >= 96 and errors == [], errors[:3]
+    answers, errors = closed_loop(fast_server.grpc_url, texts("fast"), clients=FAST_CLIENTS, seconds=5)
+    assert answers >= FAST_CLIENTS and errors == [], errors[:3]
 
 
 @pytest.mark.whole_machine
