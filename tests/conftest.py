@@ -33,18 +33,20 @@ def pytest_configure(config) -> None:
         os.sched_setaffinity(0, cores[n % len(cores) :: workers])
 
 
-# The files with the most worker-seconds in make test (docs/benchmarks.md, "make test"), longest first. make test
-# hands them to the two workers before the rest (--no-loadscope-reorder keeps this order; xdist's own orders files by
-# their count of tests), so that the short files fill in at the end and neither worker waits long for the other.
+# The files with the most worker-seconds in make test's parallel tier (docs/benchmarks.md, "make test": measured on
+# 2 cores, less each file's whole-machine tests), longest first; test_architectures makes torch 2.5.0's venv
+# (~70 s) where the user's cache has none. make test hands them to the two workers before the rest
+# (--no-loadscope-reorder keeps this order; xdist's own orders files by their count of tests), so that the short files
+# fill in at the end and neither worker waits long for the other.
 LONGEST_FILES = (
     "test_bench.py",
     "test_deploy_runtime.py",
     "test_faults.py",
-    "test_server_lifecycle.py",
-    "test_overload.py",
-    "test_architectures.py",
-    "test_replicas.py",
     "test_gpu_check.py",
+    "test_architectures.py",
+    "test_overload.py",
+    "test_replicas.py",
+    "test_server_lifecycle.py",
 )
 
 
