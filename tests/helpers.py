@@ -41,7 +41,7 @@ def infer(
     try:
         tensors = []
         for name, array in inputs.items():
-            dtype = "BYTES" if array.dtype == np.object_ else "INT64"
+            dtype = {np.dtype(np.object_): "BYTES", np.dtype(np.bool_): "BOOL"}.get(array.dtype, "INT64")
             tensor = module.InferInput(name, list(array.shape), dtype)
             if protocol == "http":
                 tensor.set_data_from_numpy(array, binary_data=True)

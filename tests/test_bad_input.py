@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -154,6 +155,26 @@ def test_encoder_rejects_bad_tensors_with_the_limit_and_value(server, ids, mask,
     ok = infer(
         server.grpc_url, "encoder", encoder_inputs(np.array([[101, 7592, 102]]), np.ones((1, 3))), ["embedding__0"]
     )
+    assert ok["embedding__0"].shape == (1, 384)
+
+
+def test_encoder_takes_the_tokenizers_stamp_only_with_its_lane(server):
+    # queued_ns and bulk are the tokenizer's hand-off: the lane is decided there, never guessed by the encoder
+    tokens = encoder_inputs(np.array([[101, 7592, 102]]), np.ones((1, 3)))
+    stamp = np.array([[time.monotonic_ns()]], dtype=np.int64)
+    for extra, expected in (
+        ({"queued_ns": stamp}, "input 'queued_ns' came without 'bulk'"),
+        ({"bulk": np.array([[False]])}, "input 'bulk' came without 'queued_ns'"),
+        (
+            {"queued_ns": stamp, "bulk": np.array([[False], [True]])},
+            "'queued_ns' batch size does not match",
+        ),  # Triton's
+    ):
+        with pytest.raises(InferenceServerException) as info:
+            infer(server.grpc_url, "encoder", {**tokens, **extra}, ["embedding__0"])
+        assert expected in info.value.message()
+        assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT"
+    ok = infer(server.grpc_url, "encoder", {**tokens, "queued_ns": stamp, "bulk": np.array([[True]])}, ["embedding__0"])
     assert ok["embedding__0"].shape == (1, 384)
 
 

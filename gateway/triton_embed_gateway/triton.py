@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import tritonclient.grpc.aio as grpcclient
-from triton_embed_protocol import QUEUED, TOKENS, refusal_reason, step_names
+from triton_embed_protocol import BULK, QUEUED, TOKENS, refusal_reason, step_names
 from tritonclient.utils import InferenceServerException
 
 from triton_embed_gateway.protocol import ApiError, Counts, EmbedRequest, RerankRequest, Scores, Vectors, shorten
@@ -286,9 +286,9 @@ class TritonEmbedder:
         """The ensemble's two steps called one after the other, as the ensemble calls them.
 
         The response cache keys on the inputs only (a Triton 2.51 workaround, as :meth:`_token_counts`), so a hit that
-        lacks an output cannot be asked for it again. The tokenizer's ``queued_ns`` goes on to the encoder with the
-        tokens and both calls carry the request's latency budget, so the pairs pass the door, the bulk lane and the
-        wait rule as through the ensemble.
+        lacks an output cannot be asked for it again. The tokenizer's hand-off (``queued_ns`` and the lane it chose,
+        ``bulk``) goes on to the encoder with the tokens and both calls carry the request's latency budget, so the
+        pairs pass the door, the bulk lane and the wait rule as through the ensemble.
         """
         n = len(documents)
         inputs = [
@@ -302,12 +302,12 @@ class TritonEmbedder:
             inputs,
             client_timeout=self.timeout_s,
             parameters=parameters,
-            outputs=[grpcclient.InferRequestedOutput(out) for out in (*TOKENS, QUEUED, TOKENIZER_COUNT)],
+            outputs=[grpcclient.InferRequestedOutput(out) for out in (*TOKENS, QUEUED, BULK, TOKENIZER_COUNT)],
         )
         steps = []
-        for name in (*TOKENS, QUEUED):
+        for name in (*TOKENS, QUEUED, BULK):
             array = tokens.as_numpy(name)
-            tensor = grpcclient.InferInput(name, list(array.shape), "INT64")
+            tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if name == BULK else "INT64")
             tensor.set_data_from_numpy(array)
             steps.append(tensor)
         output = "logit__0" if wanted == LOGIT else "embedding__0"

@@ -11,8 +11,10 @@ when that gives the same ids: ``long_texts.py``), plus one for the texts whose `
 back per request. Each response holds ``input_ids`` and ``attention_mask``, int64 ``[n_texts, T]`` where ``T`` is the
 longest text of that request in tokens (shorter rows padded with the pad id and mask 0); ``queued_ns``, int64
 ``[n_texts, 1]``: ``time.monotonic_ns()`` as this execute hands its requests on to the encoder's queue, from which
-the encoder's overload control counts each request's wait (python_backends/triton_embed_protocol/overload.py); and
-``token_count``, int64 ``[n_texts, 1]``: each text's tokens after truncation, prompt and special tokens included.
+the encoder's overload control counts each request's wait (python_backends/triton_embed_protocol/overload.py);
+``bulk``, bool ``[n_texts, 1]``: the lane admission chose for the request (true: the bulk lane), in which the encoder
+counts its texts out of flight; and ``token_count``, int64 ``[n_texts, 1]``: each text's tokens after truncation,
+prompt and special tokens included.
 
 A request with the optional input ``TEXT_PAIR`` (a reranker's ensemble sends its documents there, its queries in
 ``TEXT``) is tokenised as pairs, as the model's tokenizer joins them and CrossEncoder truncates them (longest first);
@@ -54,6 +56,7 @@ import triton_python_backend_utils as pb_utils
 from long_texts import encode_heads, margin_chars
 from tokenizers import Tokenizer
 from triton_embed_protocol import (
+    BULK,
     PROMPT_NAME,
     QUEUED,
     TEXT,
@@ -389,7 +392,7 @@ class TritonPythonModel:
             if i in door.bulk and counted:
                 bulk[i] = (len(texts), _later(requests[i], ids, mask, wanted))
                 continue
-            responses[i] = _response(ids, mask, queued_ns, wanted)
+            responses[i] = _response(ids, mask, queued_ns, False, wanted)
             handed_on += len(texts) if counted else 0
         # before the answers: the encoder's count-down must not come first
         self.admission.hand_on(handed_on, bulk, door, lambda i, m: _refusal(requests[i], m))
@@ -403,8 +406,10 @@ def _text_rows(array: np.ndarray | None) -> int:
     return max(1, int(shape[0])) if shape else 1
 
 
-def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int, wanted: set[str]):
-    """The tokenizer's response: tokens (int64 ``[n, T]``), ``queued_ns`` and token counts (int64 ``[n, 1]``).
+def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int, bulk: bool, wanted: set[str]):
+    """The tokenizer's response: tokens (int64 ``[n, T]``), ``queued_ns``, ``bulk`` and token counts (``[n, 1]``).
+
+    ``bulk`` (bool) is the lane admission chose (true: the bulk lane); the others are int64.
 
     It holds only the outputs in ``wanted`` (:func:`request_outputs`), a Triton 2.51 workaround
     (docs/troubleshooting.md, "The stub frees unrequested outputs without the GIL"): the stub drops the others after
@@ -414,6 +419,7 @@ def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int, wanted: set[str
         TOKENS[0]: ids,
         TOKENS[1]: mask,
         QUEUED: np.full((ids.shape[0], 1), queued_ns, dtype=np.int64),
+        BULK: np.full((ids.shape[0], 1), bulk, dtype=np.bool_),
         TOKEN_COUNT: np.count_nonzero(mask, axis=1)[:, None].astype(np.int64),
     }
     return pb_utils.InferenceResponse(
@@ -422,10 +428,10 @@ def _response(ids: np.ndarray, mask: np.ndarray, queued_ns: int, wanted: set[str
 
 
 def _later(request, ids: np.ndarray, mask: np.ndarray, wanted: set[str]) -> Callable[[], None]:
-    """A call that answers ``request`` with the outputs in ``wanted``, ``queued_ns`` stamped as it is called."""
+    """A call that answers bulk ``request`` with the outputs in ``wanted``, ``queued_ns`` stamped as it is called."""
     sender = request.get_response_sender()
     return lambda: sender.send(
-        _response(ids, mask, time.monotonic_ns(), wanted), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        _response(ids, mask, time.monotonic_ns(), True, wanted), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     )
 
 

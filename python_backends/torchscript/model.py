@@ -15,7 +15,7 @@ counts it in flight. At each execution the requests that have waited longer than
 stamp (the request parameter ``latency_budget_ms``, else the config parameter ``LATENCY_BUDGET_MS``; 0 = none, as
 shipped on CPU) are answered UNAVAILABLE, ``REFUSAL_HOLD_MS`` after the stamp, instead of being computed late; counted
 in ``triton_embed_shed_requests_total``. Every request with a stamp is counted out of flight once answered, its texts
-as interactive or bulk (``overload.is_bulk``, with this model's ``BULK_IN_FLIGHT`` and ``BULK_TEXTS``).
+in the lane the tokenizer chose for it (``bulk``, sent with ``queued_ns``).
 
 Buckets come from ``optimization.cuda.graph_spec`` in the model config (see ``buckets.py``). Every bucket runs
 during ``initialize``, so the model is READY only when warm. Per-bucket counters are exported on Triton's metrics
@@ -48,6 +48,7 @@ import triton_python_backend_utils as pb_utils
 from buckets import BucketConfigError, settings_from_model_config
 from runners import BucketedRunner, load_module
 from triton_embed_protocol import (
+    BULK,
     QUEUED,
     TOKENS,
     RequestError,
@@ -56,7 +57,7 @@ from triton_embed_protocol import (
     model_of_step,
     request_parameters,
 )
-from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, Ticket
+from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, HandOff, Ticket
 from triton_embed_protocol.capacity import (
     CURVE_GAUGE,
     KNOB_GAUGE,
@@ -108,19 +109,25 @@ def read_request(
     return ids, mask
 
 
-def queued_stamp(request) -> int | None:
-    """When the request entered this model's queue: its ``queued_ns`` (monotonic ns, first row); None without one."""
-    tensor = pb_utils.get_input_tensor_by_name(request, QUEUED)
-    if tensor is None:
+def hand_off(request) -> HandOff | None:
+    """The tokenizer's hand-off of ``request``: its ``queued_ns`` (int64 ``[n, 1]``) and ``bulk`` (bool ``[n, 1]``).
+
+    Returns:
+        when it was handed on (the first row's stamp), its ``n`` texts and its lane; None for a direct caller that
+        sends neither tensor, or no rows.
+
+    Raises:
+        RequestError: one of the two tensors without the other (Triton refuses rows that differ before this runs).
+    """
+    stamp = pb_utils.get_input_tensor_by_name(request, QUEUED)
+    lane = pb_utils.get_input_tensor_by_name(request, BULK)
+    if stamp is None and lane is None:
         return None
-    stamps = tensor.as_numpy().reshape(-1)
-    return int(stamps[0]) if stamps.size else None
-
-
-def queued_rows(request) -> int | None:
-    """The rows of the request's ``queued_ns`` (one per text, as the tokenizer stamps it); None without one."""
-    tensor = pb_utils.get_input_tensor_by_name(request, QUEUED)
-    return None if tensor is None else int(tensor.as_numpy().shape[0])
+    if stamp is None or lane is None:
+        given, missing = (QUEUED, BULK) if lane is None else (BULK, QUEUED)
+        raise RequestError(f"input '{given}' came without '{missing}'; the tokenizer hands on the two together")
+    stamps, lanes = stamp.as_numpy().reshape(-1), lane.as_numpy().reshape(-1)
+    return HandOff(int(stamps[0]), int(stamps.size), bool(lanes[0])) if stamps.size else None
 
 
 def last_real_column(mask: np.ndarray) -> int:
@@ -318,9 +325,11 @@ class TritonPythonModel:
 
     def _validate(self, request, now_ns: int) -> _Request:
         """One request read and checked: its tokens, or its INVALID_ARG message in its admission ticket."""
-        ticket = self.admission.ticket(
-            request_parameters(request.parameters()), queued_stamp(request), queued_rows(request), now_ns
-        )
+        try:
+            handed = hand_off(request)
+        except RequestError as exc:
+            return _Request(request, Ticket(None, None, 0, 0, error=str(exc)))
+        ticket = self.admission.ticket(request_parameters(request.parameters()), handed, now_ns)
         item = _Request(request, ticket)
         if ticket.error is None:
             try:

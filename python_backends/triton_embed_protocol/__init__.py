@@ -35,6 +35,11 @@ QUEUED = "queued_ns"
 """Tensor from the tokenizer to the encoder, int64 ``[n_texts, 1]``: ``time.monotonic_ns()`` as the tokenizer hands
 the request on to the encoder's queue (one clock for every process on the host)."""
 
+BULK = "bulk"
+"""Tensor from the tokenizer to the encoder, bool ``[n_texts, 1]``: True for every text of a request the tokenizer's
+admission sent down the bulk lane, False for one it let through the door. The lane is decided once, at the tokenizer;
+the encoder counts the texts out of flight in the lane this names."""
+
 
 DEFAULT_MODEL = "embed"
 """The name of the model ``make model`` exports without ``NAME``: its ensemble and every command's default."""

@@ -189,6 +189,18 @@ class EncoderSettings:
         )
 
 
+@dataclass(frozen=True)
+class HandOff:
+    """What the tokenizer hands the encoder with a request's tokens (its tensors ``queued_ns`` and ``bulk``)."""
+
+    stamp_ns: int
+    """``time.monotonic_ns()`` as the tokenizer handed the request on to the encoder's queue"""
+    texts: int
+    """the request's texts, counted in flight by the tokenizer"""
+    bulk: bool
+    """the lane the tokenizer's admission chose (:meth:`TokenizerAdmission.sort`): True the bulk lane, False the door"""
+
+
 @dataclass
 class Ticket:
     """One request of an encoder execution as admission sees it (:meth:`EncoderAdmission.ticket`)."""
@@ -280,27 +292,24 @@ class EncoderAdmission:
             return None
         return self._cores.threads_now(others, time.monotonic_ns())
 
-    def ticket(self, parameters: dict[str, Any], stamp: int | None, texts: int | None, now_ns: int) -> Ticket:
+    def ticket(self, parameters: dict[str, Any], handed: HandOff | None, now_ns: int) -> Ticket:
         """Read one request of the execution that began at ``now_ns``.
 
         Args:
             parameters: its parameters (``triton_embed_protocol.request_parameters``).
-            stamp: its ``queued_ns`` (None: a direct caller).
-            texts: the rows of its ``queued_ns`` (None: a direct caller).
+            handed: the tokenizer's hand-off: when, how many texts, which lane (None: a direct caller, never counted
+                in flight or refused).
             now_ns: ``time.monotonic_ns()`` at the start of the execution.
 
         Returns:
-            its ticket; a bad ``latency_budget_ms`` is its ``error``.
+            its ticket, its texts owed out of flight in the lane the tokenizer chose; a bad ``latency_budget_ms`` is
+            its ``error``.
         """
-        interactive = bulk = 0
-        if texts:
-            if is_bulk(parameters, texts, self.limits.bulk_in_flight, self.limits.bulk_texts):
-                bulk = texts
-            else:
-                interactive = texts
-        ticket = Ticket(
-            stamp, None if stamp is None else (now_ns - stamp) / 1e6, interactive, bulk, own_budget=BUDGET in parameters
-        )
+        if handed is None:
+            ticket = Ticket(None, None, 0, 0, own_budget=BUDGET in parameters)
+        else:
+            lanes = (0, handed.texts) if handed.bulk else (handed.texts, 0)
+            ticket = Ticket(handed.stamp_ns, (now_ns - handed.stamp_ns) / 1e6, *lanes, own_budget=BUDGET in parameters)
         try:
             ticket.budget_ms = request_budget_ms(parameters, self.settings.latency_budget_ms)
         except BudgetError as exc:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 from triton_embed_protocol import refusal_reason
-from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, TokenizerAdmission
+from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, HandOff, TokenizerAdmission
 from triton_embed_protocol.capacity import ServiceCurve, grid
 
 
@@ -99,8 +99,8 @@ def test_an_execution_counts_its_texts_out_and_refuses_what_waited_past_its_budg
     assert b.tokenizer.in_flight.door().interactive == 3
     now = stamp + 40_000_000  # the encoder takes them 40 ms later
     assert b.encoder.begin(2) == 2  # alone on the server: every core
-    late = b.encoder.ticket({}, stamp, 2, now)
-    own = b.encoder.ticket({"latency_budget_ms": 100}, stamp, 1, now)
+    late = b.encoder.ticket({}, HandOff(stamp, 2, bulk=False), now)
+    own = b.encoder.ticket({"latency_budget_ms": 100}, HandOff(stamp, 1, bulk=False), now)
     assert (late.waited_ms, late.interactive, late.budget_ms, own.budget_ms) == (40.0, 2, 30.0, 100.0)
     assert b.encoder.refuse_late([late, own], b.refusal("encoder")) == {0}  # its own budget keeps the other
     assert b.tokenizer.in_flight.door().interactive == 1  # the refused texts are out at once
@@ -112,6 +112,25 @@ def test_an_execution_counts_its_texts_out_and_refuses_what_waited_past_its_budg
     assert (step, i, refusal_reason(message)) == ("encoder", 0, "budget") and "over the 30 ms latency" in message
 
 
+def test_the_encoder_counts_a_request_out_in_the_lane_the_tokenizer_chose(backends):
+    b = backends(MAX_IN_FLIGHT="16", BULK_TEXTS="8", BULK_IN_FLIGHT="16")
+    door, stamp = b.tokenize([3, 2], [{"latency_budget_ms": 0}, {}])  # budget 0: bulk, however few its texts
+    assert door.bulk == {0}
+    time.sleep(0.05)  # the lane hands it on
+    state = b.tokenizer.in_flight.door()
+    assert (state.interactive, state.bulk) == (2, 3)
+    b.encoder.begin(2)
+    # the encoder reads the lane from the hand-off, not from the request's parameters (a direct caller: none)
+    tickets = [b.encoder.ticket({}, HandOff(stamp, 3, bulk=True), stamp), b.encoder.ticket({}, None, stamp)]
+    tickets.append(b.encoder.ticket({}, HandOff(stamp, 2, bulk=False), stamp))
+    assert [(t.interactive, t.bulk) for t in tickets] == [(0, 3), (0, 0), (2, 0)]
+    assert b.encoder.refuse_late(tickets, b.refusal("encoder")) == set()
+    b.encoder.served(tickets, stamp + 5_000_000)
+    b.encoder.end(rows=6, seconds=0.005)
+    state = b.tokenizer.in_flight.door()
+    assert (state.interactive, state.bulk) == (0, 0)
+
+
 def test_an_execution_that_fails_still_counts_out_what_the_tokenizer_counted_in(backends):
     b = backends(MAX_IN_FLIGHT="8", BULK_TEXTS="8")
     _, stamp = b.tokenize([1])
@@ -120,7 +139,7 @@ def test_an_execution_that_fails_still_counts_out_what_the_tokenizer_counted_in(
     assert b.tokenizer.in_flight.door().interactive == 0
     b.tokenize([1])
     b.encoder.begin(1)
-    bad = b.encoder.ticket({"latency_budget_ms": "soon"}, stamp, 1, stamp)
+    bad = b.encoder.ticket({"latency_budget_ms": "soon"}, HandOff(stamp, 1, bulk=False), stamp)
     assert bad.error and b.encoder.refuse_late([bad], b.refusal("encoder")) == set()  # an error is never run
     b.encoder.served([], stamp)
     b.encoder.end(rows=0, seconds=0.001)

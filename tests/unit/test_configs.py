@@ -24,29 +24,39 @@ def parse(relative: str) -> model_config_pb2.ModelConfig:
     return text_format.Parse((REPO / relative).read_text(), model_config_pb2.ModelConfig())
 
 
-def test_libtorch_ensemble_is_the_default_one_without_the_queued_stamp():
+def test_libtorch_ensemble_is_the_default_one_without_the_tokenizers_hand_off():
     default, libtorch = parse("embed/config.pbtxt"), parse("embed/configs/libtorch.pbtxt")
     for step in default.ensemble_scheduling.step:
-        step.input_map.pop("queued_ns", None)
-        step.output_map.pop("queued_ns", None)
+        for name in ("queued_ns", "bulk"):
+            step.input_map.pop(name, None)
+            step.output_map.pop(name, None)
     assert default == libtorch
     inputs = {i.name for i in parse("encoder/configs/libtorch.pbtxt").input}
     assert inputs == {"input_ids", "attention_mask"}
 
 
-def test_every_encoder_on_our_backend_takes_the_queued_stamp_and_a_door_measured_where_it_runs():
+def test_every_encoder_on_our_backend_takes_the_hand_off_and_a_door_measured_where_it_runs():
+    tokenizer = {o.name: o for o in parse("tokenizer/config.pbtxt").output}
     knobs = []
     for relative in ("encoder/config.pbtxt", "encoder/configs/gpu.pbtxt"):
         config = parse(relative)
-        stamp = next(i for i in config.input if i.name == "queued_ns")
-        assert stamp.optional and list(stamp.dims) == [1], relative
+        for name in ("queued_ns", "bulk"):  # what the tokenizer hands on with the tokens, as it types them
+            given = next(i for i in config.input if i.name == name)
+            assert given.optional and list(given.dims) == [1], relative
+            assert given.data_type == tokenizer[name].data_type, (relative, name)
         values = {k: v.string_value for k, v in config.parameters.items()}
         for knob in Knobs.KNOBS[1:]:  # CPU and GPU alike: each machine measures its own
             assert values[knob] == AUTO, f"{relative}: {knob} is {values[knob]!r}, not measured"
         Knobs(values, ServiceCurve({1: 0.005, 64: 0.08}, config.max_batch_size))  # every knob reads
         knobs.append({k: values[k] for k in (*Knobs.KNOBS, "LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS", "BULK_QUEUE")})
     assert knobs[0] == knobs[1]
-    assert "queued_ns" in {o.name for o in parse("tokenizer/config.pbtxt").output}
+
+
+@pytest.mark.parametrize("relative", ["embed/config.pbtxt", "rerank/config.pbtxt"])
+def test_each_ensemble_hands_the_tokenizers_stamp_and_lane_to_the_encoder(relative):
+    tokenizer, encoder = parse(relative).ensemble_scheduling.step
+    for name in ("queued_ns", "bulk"):
+        assert tokenizer.output_map[name] == encoder.input_map[name] == name, relative
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(REPO)) for p in CONFIGS])
