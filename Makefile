@@ -176,7 +176,7 @@ bench: reference-model peers
 
 # A capacity search on this machine, model and texts (CORPUS=file, one text a line; default STS-B): the encoder's
 # instances x threads, the batcher's queue delay and the bucket grid, each served and swept; the best is written into
-# the served repository's encoder/config.pbtxt with the figures beside it (bench/tune.py; a re-export starts from the
+# the served repository's encoder/config.pbtxt with the figures in its header (bench/tune.py; a re-export starts from the
 # template again); ~2 min a candidate.
 tune: model
 	$(PY) -m bench.tune --repository "$(MODEL_REPOSITORY)" $(if $(CORPUS),--corpus "$(CORPUS)") $(TUNE_ARGS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -143,10 +142,10 @@ def cache_off(dest: Path) -> Path:
 
     The sweep repeats texts; cache hits would measure the cache, not the model.
     """
+    from triton_embed_server import model_config
+
     for cfg in (dest / "embed").rglob("*.pbtxt"):
-        cfg.write_text(
-            re.sub(r"response_cache\s*\{\s*enable:\s*true\s*\}", "response_cache { enable: false }", cfg.read_text())
-        )
+        model_config.edit(cfg, lambda config: model_config.set_response_cache(config, False), "response cache off")
     return dest
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import os
 import platform
-import re
 import shutil
 import time
 from pathlib import Path
@@ -108,6 +107,7 @@ def variant_repository(
         ValueError: the shipped config lacks a value this function rewrites.
     """
     from triton_embed_server import export as exporter
+    from triton_embed_server import model_config
 
     src = source or exporter.DEFAULT_MODEL_REPOSITORY
     for step in ("embed", "tokenizer", "encoder"):
@@ -122,29 +122,21 @@ def variant_repository(
             (dst / name).symlink_to(src / name)
     else:
         exporter.export(exporter.default_model_path(), dst, force=True, precision=precision)
+    variant = "a variant of bench.serving.variant_repository"
     if not cache:
-        embed = dst / "embed" / "config.pbtxt"
-        cache_off = embed.read_text().replace("response_cache { enable: true }", "response_cache { enable: false }")
-        embed.write_text(cache_off)
-    encoder = dst / "encoder" / "config.pbtxt"
-    text = encoder.read_text()
-    if fixed_length is not None:
-        text = re.sub(r"graph_spec \[.*?\n    \]", "", text, flags=re.S)
-        spec = f'graph_spec [ {{ batch_size: 64 input {{ key: "input_ids" value: {{ dim: [ {fixed_length} ] }} }} }} ]'
-        text = text.replace("graphs: false", f"graphs: false\n    {spec}")
-    if encoder_delay_us is not None:
-        delay = f"max_queue_delay_microseconds: {encoder_delay_us}"
-        text, n = re.subn(r"max_queue_delay_microseconds: \d+", delay, text)
-        if n != 1:
-            raise ValueError(f"{encoder}: expected one max_queue_delay_microseconds, found {n}")
-    encoder.write_text(text)
+        model_config.edit(dst / "embed" / "config.pbtxt", lambda c: model_config.set_response_cache(c, False), variant)
+
+    def encoder(config) -> None:
+        if fixed_length is not None:  # one bucket: every batch padded to it
+            model_config.set_bucket_lengths(config, [fixed_length], batch=config.max_batch_size)
+        if encoder_delay_us is not None:
+            model_config.set_queue_delay(config, encoder_delay_us)
+
+    model_config.edit(dst / "encoder" / "config.pbtxt", encoder, variant)
     for (model, key), value in (knobs or {}).items():
-        config = dst / model / "config.pbtxt"
-        pattern = rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"'
-        text, n = re.subn(pattern, rf'\1"{value}"', config.read_text())
-        if n != 1:
-            raise ValueError(f"{config}: expected one parameter {key}, found {n}")
-        config.write_text(text)
+        model_config.edit(
+            dst / model / "config.pbtxt", lambda c, k=key, v=value: model_config.set_parameter(c, k, v), variant
+        )
     return dst
 
 

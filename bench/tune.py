@@ -9,8 +9,8 @@ door and the lane off so that the sweep sees the machine's own curve, and swept 
 measures where it is installed (``PERF_ANALYZER``, else ``../shared/tools/perf-analyzer``), the bench client
 (``bench/loadgen.py``) otherwise or with ``--tool client``. The best candidate's values are written into
 ``<repository>/encoder/config.pbtxt`` (instance ``count``, ``TORCH_NUM_THREADS``, ``max_queue_delay_microseconds``,
-the ``graph_spec`` lengths) with the table of figures as a comment beside them; a later re-export (``make model``
-after the model, the exporter or the templates changed) writes the config from its template again.
+the ``graph_spec`` lengths) with the table of figures in the header comment above them; a later re-export (``make
+model`` after the model, the exporter or the templates changed) writes the config from its template again.
 
     make tune                                # STS-B sentences; CORPUS=file.txt for your own, one text a line
     python -m bench.tune --tool client --levels 4,8,16 --seconds 5 --dry-run
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARK = "# make tune:"
-"""Every comment line ``make tune`` writes into the config starts with this; a later run replaces them."""
+MARK = "make tune:"
+"""Every header line ``make tune`` writes into the config starts with this (after its ``#``); a later run replaces
+them."""
 
 
 @dataclass(frozen=True)
@@ -74,32 +74,38 @@ def candidates(
     return [Candidate(n, cores // n, delay, half) for n in counts for delay in delays_us for half in grids]
 
 
-def set_encoder(text: str, candidate: Candidate, max_seq_length: int, comment: list[str] | None = None) -> str:
-    """The encoder's config text with ``candidate``'s values (and ``comment`` lines above the dynamic batcher).
+def set_encoder(config, candidate: Candidate, max_seq_length: int) -> None:
+    """Set ``candidate``'s values in the encoder's config (a ``model_config.ModelConfig``).
 
     ``max_seq_length``: the exported model's, the last bucket length.
 
     Raises:
-        ValueError: the config lacks one of the values (one instance group ``count``, ``TORCH_NUM_THREADS``,
-            ``max_queue_delay_microseconds``).
+        ValueError: the config lacks one of the values (one instance group, ``TORCH_NUM_THREADS``, a dynamic
+            batcher).
     """
-    rules = [
-        (r"(instance_group \[\s*\{[^}]*?count: )\d+[^\n]*", rf"\g<1>{candidate.instances}  # {MARK[2:-1]}, above"),
-        (r'(key: "TORCH_NUM_THREADS"\s*value: \{ string_value: )"[^"]*"', rf'\1"{candidate.threads}"'),
-        (r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {candidate.delay_us}"),
-    ]
-    for pattern, replacement in rules:
-        text, n = re.subn(pattern, replacement, text, flags=re.S)
-        if n != 1:
-            raise ValueError(f"the encoder's config has {n} matches of {pattern!r}; expected one")
-    from triton_embed_server.export import set_bucket_lengths
+    from triton_embed_server import model_config
+    from triton_embed_server.export import bucket_lengths
 
-    text = set_bucket_lengths(text, max_seq_length, half_steps=candidate.half_steps)
-    if comment is not None:
-        text = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(MARK))
-        block = "".join(f"{MARK} {line}\n" if line else f"{MARK}\n" for line in comment)
-        text = text.replace("dynamic_batching {", block + "dynamic_batching {", 1)
-    return text
+    model_config.set_instances(config, candidate.instances)
+    model_config.set_parameter(config, "TORCH_NUM_THREADS", str(candidate.threads))
+    model_config.set_queue_delay(config, candidate.delay_us)
+    model_config.set_bucket_lengths(config, bucket_lengths(max_seq_length, half_steps=candidate.half_steps))
+
+
+def write_encoder(path: Path, candidate: Candidate, max_seq_length: int, comment: list[str] | None = None) -> None:
+    """Write ``candidate`` into the encoder's config ``path``, and ``comment`` into its header (each line after MARK).
+
+    A header's earlier ``make tune`` lines are replaced; its other lines stay.
+
+    Raises:
+        ValueError: ``path`` is not a config, or it lacks a value :func:`set_encoder` sets.
+    """
+    from triton_embed_server import model_config
+
+    config = model_config.read(path)
+    set_encoder(config, candidate, max_seq_length)
+    kept = [line for line in model_config.header(path) if not line.startswith(MARK)]
+    model_config.write(path, config, kept + [f"{MARK} {line}".rstrip() for line in comment or []])
 
 
 def candidate_repository(dst: Path, candidate: Candidate, source: Path) -> Path:
@@ -108,8 +114,7 @@ def candidate_repository(dst: Path, candidate: Candidate, source: Path) -> Path:
 
     knobs = {("encoder", "MAX_IN_FLIGHT"): "0", ("encoder", "BULK_IN_FLIGHT"): "0"}
     repo = variant_repository(dst, None, knobs=knobs, source=source)
-    config = repo / "encoder" / "config.pbtxt"
-    config.write_text(set_encoder(config.read_text(), candidate, max_seq_length(source)))
+    write_encoder(repo / "encoder" / "config.pbtxt", candidate, max_seq_length(source))
     return repo
 
 
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         config = args.repository / "encoder" / "config.pbtxt"
         comment = [*lines, f"chosen: {chosen.label()}"]
-        config.write_text(set_encoder(config.read_text(), chosen, max_seq_length(args.repository), comment))
+        write_encoder(config, chosen, max_seq_length(args.repository), comment)
         print(f"written: {config}")
     return 0
 

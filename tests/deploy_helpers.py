@@ -258,11 +258,14 @@ def sync_model_repository(
 
 
 def embedding_widths(repository: Path) -> dict[str, int]:
-    """``dims: [ N ]  # embedding-dim`` of every config in ``repository``, by path relative to it."""
+    """The embedding width (``model_config.WIDTH_OUTPUTS``) of every config in ``repository`` declaring one, by path."""
+    from triton_embed_server import model_config
+
     return {
-        str(cfg.relative_to(repository)): int(n)
+        str(cfg.relative_to(repository)): output.dims[0]
         for cfg in sorted(repository.rglob("*.pbtxt"))
-        for n in re.findall(r"dims: \[ (\d+) \]\s*# embedding-dim", cfg.read_text())
+        for output in model_config.read(cfg).output
+        if output.name in model_config.WIDTH_OUTPUTS
     }
 
 

@@ -13,7 +13,6 @@ is applied as sentence-transformers applies it; ModernBERT's long context is ser
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from helpers import infer, text_tensor
 from small_models import ARCHITECTURES, repository_for, small_sentence_transformer
 from test_libtorch_compat import in_libtorch_24_10
 from triton_embed_protocol import step_names
+from triton_embed_server import model_config
 from triton_embed_server.encoder_module import device_problems
 
 WORDS = "the quick brown fox jumps over a lazy dog while people watch from the river bank "
@@ -124,11 +124,10 @@ def test_the_family_exports_portable_and_serves_what_sentence_transformers_compu
 def test_a_long_context_model_gets_buckets_up_to_its_limit(exported):
     """ModernBERT at 1,024 tokens: `make model` writes CPU buckets up to 1,024 and the tokenizer's limit with them."""
     repo = exported[1]
-    encoder = (encoder_folder(repo, "modernbert") / "config.pbtxt").read_text()
-    lengths = [int(x) for x in re.findall(r'"input_ids" value: \{ dim: \[ (\d+) \]', encoder)]
+    _, lengths = model_config.bucket_lengths(model_config.read(encoder_folder(repo, "modernbert") / "config.pbtxt"))
     assert lengths[-3:] == [512, 768, 1024] and lengths == sorted(lengths)
-    tokenizer = repo / step_names("modernbert")[0] / "config.pbtxt"
-    assert 'string_value: "1024" }  # max-seq-length' in tokenizer.read_text()
+    tokenizer = model_config.read(repo / step_names("modernbert")[0] / "config.pbtxt")
+    assert model_config.parameter(tokenizer, "MAX_SEQ_LENGTH") == "1024"
 
 
 RUN_ALL = """

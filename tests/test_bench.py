@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 from helpers import infer, text_tensor
+from triton_embed_server import model_config
 
 from bench import run as bench_run
 from bench.serving import variant_repository
@@ -91,9 +92,9 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
 
 def test_fixed_length_variant_has_a_single_bucket(tmp_path):
     repo = variant_repository(tmp_path / "repo", fixed_length=128)
-    encoder = (repo / "encoder" / "config.pbtxt").read_text()
-    assert encoder.count("batch_size: 64 input") == 1 and "dim: [ 128 ]" in encoder
-    assert "response_cache { enable: false }" in (repo / "embed" / "config.pbtxt").read_text()
+    assert model_config.bucket_lengths(model_config.read(repo / "encoder" / "config.pbtxt")) == (64, [128])
+    embed = model_config.read(repo / "embed" / "config.pbtxt")
+    assert embed.HasField("response_cache") and not embed.response_cache.enable
 
 
 @pytest.mark.parametrize("fixed", [None, 128])

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from conftest import reference_embed
 from triton_embed_server import export as exporter
+from triton_embed_server import model_config
 from triton_embed_server.encoder_module import device_problems
 from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY
 
@@ -58,22 +59,27 @@ def test_set_config_dims_rewrites_every_width_limit_and_bucket_list(tmp_path):
         "encoder/configs/gpu.pbtxt",
         "encoder/configs/libtorch.pbtxt",
     ]
-    assert "dims: [ 768 ]" in (repo / "embed" / "config.pbtxt").read_text()
+    assert [o.dims for o in model_config.read(repo / "embed" / "config.pbtxt").output if o.name == "EMBEDDING"] == [
+        [768]
+    ]
     assert exporter.set_config_dims(repo, 768) == []
     assert exporter.set_config_dims(repo, 768, 256) == []  # the shipped limit and buckets
     assert exporter.set_config_dims(repo, 768, 512) == [
         repo / "encoder" / "config.pbtxt",
         repo / "tokenizer" / "config.pbtxt",
     ]
-    assert 'string_value: "512" }  # max-seq-length' in (repo / "tokenizer" / "config.pbtxt").read_text()
-    encoder = (repo / "encoder" / "config.pbtxt").read_text()
-    assert encoder.count("batch_size: 64 input") == 12 and "dim: [ 384 ]" in encoder and "dim: [ 512 ]" in encoder
+    assert model_config.parameter(model_config.read(repo / "tokenizer" / "config.pbtxt"), "MAX_SEQ_LENGTH") == "512"
+    batch, lengths = model_config.bucket_lengths(model_config.read(repo / "encoder" / "config.pbtxt"))
+    assert batch == 64 and len(lengths) == 12 and lengths[-3:] == [256, 384, 512]
     assert exporter.set_config_dims(repo, 768, 256) == [
         repo / "encoder" / "config.pbtxt",
         repo / "tokenizer" / "config.pbtxt",
     ]
-    shipped = (ROOT / "model_repository" / "encoder" / "config.pbtxt").read_text()
-    assert (repo / "encoder" / "config.pbtxt").read_text() == shipped.replace("dims: [ 384 ]", "dims: [ 768 ]")
+    shipped = model_config.read(ROOT / "model_repository" / "encoder" / "config.pbtxt")
+    model_config.set_width(shipped, 768)
+    assert model_config.read(repo / "encoder" / "config.pbtxt") == shipped  # the template's values, at 768 wide
+    # a file written again keeps its header: here the template's own first comment lines
+    assert model_config.header(repo / "encoder" / "config.pbtxt")[0].startswith("encoder: TorchScript")
 
 
 def test_cli_reports_missing_model_folder(tmp_path, capsys):

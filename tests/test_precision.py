@@ -24,6 +24,7 @@ from test_gateway import gateway_running
 from test_libtorch_compat import RUN, in_libtorch_24_10
 from triton_embed import EmbeddingClient
 from triton_embed_server import export as exporter
+from triton_embed_server import model_config
 from triton_embed_server.encoder_module import device_problems
 from triton_embed_server.precision import DEFAULT_MIN_COSINE, choose, cpu_flags
 
@@ -104,7 +105,7 @@ def test_below_the_gate_auto_serves_fp32_and_an_explicit_precision_fails(tmp_pat
     lines = capsys.readouterr().err.strip().splitlines()
     fallback = [line for line in lines if line.startswith("precision:")]
     assert len(fallback) == 1 and "below the gate 1: serving fp32" in fallback[0], lines
-    assert 'string_value: "fp32" }  # precision' in (repo / "encoder" / "config.pbtxt").read_text()
+    assert model_config.parameter(model_config.read(repo / "encoder" / "config.pbtxt"), "PRECISION") == "fp32"
     assert exporter.is_up_to_date(model, repo, "fp16", exporter.gate_key(1.0))  # the answer for fp16 at this gate
     assert not exporter.is_up_to_date(model, repo, "fp16", exporter.gate_key(0.999))  # a new gate: export again
     with pytest.raises(exporter.ExportCheckError, match=r"bf16 reaches a min cosine of 0\.\d+ .* below the gate 1 "):

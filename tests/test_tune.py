@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 from helpers import infer, text_tensor
 from small_models import repository_for, small_sentence_transformer
+from triton_embed_server import model_config
 from triton_embed_server.embedded import EmbeddedServer
 
-from bench.tune import MARK, Candidate, best, candidates, set_encoder
+from bench.tune import MARK, Candidate, best, candidates, write_encoder
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -31,16 +33,21 @@ def test_the_candidates_split_the_cores_and_the_best_is_the_fastest_within_the_t
     assert best(rows, 200).throughput == 150.0 and best(rows, 50) is None
 
 
-def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment():
-    shipped = (ROOT / "model_repository" / "encoder" / "config.pbtxt").read_text()
-    once = set_encoder(shipped, Candidate(2, 1, 2000, half_steps=False), 256, ["first run", "chosen: 2 x 1"])
-    twice = set_encoder(once, Candidate(1, 2, 0), 256, ["second run"])
-    lengths = [int(n) for n in re.findall(r"dim: \[ (\d+) \]", once)]
-    assert lengths == [8, 16, 32, 64, 128, 256] and "dim: [ 24 ]" in twice and "dim: [ 192 ]" in twice
-    assert "count: 2" in once and 'string_value: "1" }' in once and "max_queue_delay_microseconds: 2000" in once
-    assert f"{MARK} first run\n{MARK} chosen: 2 x 1\ndynamic_batching {{" in once
-    assert "first run" not in twice and f"{MARK} second run\ndynamic_batching {{" in twice
-    assert "count: 1" in twice and "max_queue_delay_microseconds: 0" in twice
+def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment(tmp_path):
+    config = tmp_path / "config.pbtxt"
+    shutil.copy(ROOT / "model_repository" / "encoder" / "config.pbtxt", config)
+    write_encoder(config, Candidate(2, 1, 2000, half_steps=False), 256, ["first run", "chosen: 2 x 1"])
+    once = model_config.read(config)
+    assert model_config.bucket_lengths(once) == (64, [8, 16, 32, 64, 128, 256])
+    assert once.instance_group[0].count == 2 and model_config.parameter(once, "TORCH_NUM_THREADS") == "1"
+    assert once.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert model_config.header(config)[-2:] == [f"{MARK} first run", f"{MARK} chosen: 2 x 1"]
+    write_encoder(config, Candidate(1, 2, 0), 256, ["second run"])
+    twice, header = model_config.read(config), model_config.header(config)
+    assert f"{MARK} first run" not in header and header[-1] == f"{MARK} second run"
+    assert header[0].startswith("encoder: TorchScript")  # the template's own header stays
+    assert 24 in model_config.bucket_lengths(twice)[1] and 192 in model_config.bucket_lengths(twice)[1]
+    assert twice.instance_group[0].count == 1 and twice.dynamic_batching.max_queue_delay_microseconds == 0
 
 
 @pytest.mark.whole_machine
@@ -86,11 +93,11 @@ def test_make_tune_writes_the_fastest_candidate_into_a_config_that_serves(tmp_pa
         run.stdout
     )
     chosen = max(table, key=table.get)
-    config = (repo / "encoder" / "config.pbtxt").read_text()
-    assert f"{MARK} chosen: {chosen}" in config
+    assert f"{MARK} chosen: {chosen}" in model_config.header(repo / "encoder" / "config.pbtxt")
+    config = model_config.read(repo / "encoder" / "config.pbtxt")
     instances, threads = int(chosen[0]), int(chosen[4])
-    assert re.search(rf"instance_group \[\s*\{{\s*count: {instances}", config)
-    assert re.search(rf'key: "TORCH_NUM_THREADS"\s*value: {{ string_value: "{threads}" }}', config)
+    assert config.instance_group[0].count == instances
+    assert model_config.parameter(config, "TORCH_NUM_THREADS") == str(threads)
     with EmbeddedServer(
         model_repository=repo, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log"
     ) as server:

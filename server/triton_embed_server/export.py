@@ -41,6 +41,7 @@ from pathlib import Path
 
 from triton_embed_protocol import DEFAULT_MODEL, model_of_step, step_names
 
+from triton_embed_server import model_config
 from triton_embed_server import precision as precision_rules
 from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TEMPLATES
 
@@ -200,11 +201,12 @@ def source_digest(model_path: Path) -> str:
 
 
 def exporter_digest() -> str:
-    """sha256 of the exporter's sources: this file, the module wrapper, the bucket rules and the config templates."""
+    """sha256 of the exporter's sources: this file, the module wrapper, config writer, buckets, templates."""
     h = hashlib.sha256()
     here = Path(__file__).parent
     templates = sorted(TEMPLATES.glob("*/config.pbtxt")) + sorted(TEMPLATES.glob("*/configs/*.pbtxt"))
-    for path in (here / "export.py", here / "encoder_module.py", here / "precision.py", BUCKETS_FILE, *templates):
+    sources = (here / "export.py", here / "encoder_module.py", here / "precision.py", here / "model_config.py")
+    for path in (*sources, BUCKETS_FILE, *templates):
         h.update(path.read_bytes())
     h.update(precision_rules.CALIBRATION_FILE.read_bytes())
     return h.hexdigest()
@@ -271,35 +273,13 @@ def _buckets_module():
     return sys.modules[name]
 
 
-_BUCKET_ENTRY = re.compile(
-    r'(?P<indent>[ \t]*)\{ batch_size: (?P<batch>\d+) input \{ key: "input_ids" value: \{ dim: \[ \d+ \] \} \} \},?\n'
-)
-_BUCKET_BLOCK = re.compile(rf"(?:{_BUCKET_ENTRY.pattern})+")
-
-
-def _bucket_block(block: str, max_seq_length: int, *, half_steps: bool = True) -> str:
-    """A ``graph_spec`` list of one batch size (the CPU config's), rewritten to ``bucket_lengths(max_seq_length)``.
-
-    A list of several batch sizes (a user's own grid) is kept as it is. ``half_steps``: as ``bucket_lengths`` takes.
-    """
-    entries = list(_BUCKET_ENTRY.finditer(block))
-    if len({e["batch"] for e in entries}) != 1:
-        return block
-    indent, batch = entries[0]["indent"], entries[0]["batch"]
-    lines = [
-        f'{indent}{{ batch_size: {batch} input {{ key: "input_ids" value: {{ dim: [ {length} ] }} }} }}'
-        for length in _buckets_module().bucket_lengths(max_seq_length, half_steps=half_steps)
-    ]
-    return ",\n".join(lines) + "\n"
-
-
-def set_bucket_lengths(text: str, max_seq_length: int, *, half_steps: bool = True) -> str:
-    """A config's text with its one-batch-size ``graph_spec`` list set to ``bucket_lengths(max_seq_length)``.
+def bucket_lengths(max_seq_length: int, *, half_steps: bool = True) -> list[int]:
+    """The CPU config's length buckets for a model of ``max_seq_length`` tokens: ``buckets.bucket_lengths``.
 
     ``half_steps`` False: powers of two only (8, 16, 32, ...), fewer buckets and more padding (``make tune`` tries
-    both). A list of several batch sizes is kept as it is.
+    both).
     """
-    return _BUCKET_BLOCK.sub(lambda m: _bucket_block(m[0], max_seq_length, half_steps=half_steps), text)
+    return list(_buckets_module().bucket_lengths(max_seq_length, half_steps=half_steps))
 
 
 def set_config_dims(
@@ -307,47 +287,39 @@ def set_config_dims(
 ) -> list[Path]:
     """Set the embedding width, the token limit, the length buckets and the precision in every config declaring them.
 
-    The width is a ``dims: [ N ]`` on an ``# embedding-dim`` line; the limit, a ``string_value`` on a line marked
-    ``# max-seq-length``; the buckets, a ``graph_spec`` list of one batch size (the CPU config's), whose lengths
-    become ``buckets.bucket_lengths(max_seq_length)`` (8 ... max_seq_length); the precision, a ``string_value`` on a
-    line marked ``# precision``. The limit and the buckets are set only when ``max_seq_length`` is given, the
-    precision when ``precision`` is.
+    The width is the one dimension of the outputs ``embedding__0`` and ``EMBEDDING``; the limit, the tokenizer's
+    parameter ``MAX_SEQ_LENGTH``; the buckets, a ``graph_spec`` list of one batch size (the CPU config's), whose
+    lengths become ``buckets.bucket_lengths(max_seq_length)`` (8 ... max_seq_length); the precision, the encoder's
+    parameter ``PRECISION``. The limit and the buckets are set only when ``max_seq_length`` is given, the precision
+    when ``precision`` is. A config that changes is written again in text format (:mod:`model_config`), its header
+    kept.
 
     Returns:
         The config files that changed (empty when they already said all of it).
+
+    Raises:
+        ValueError: a file is not a Triton model config.
     """
     changed = []
     for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
-        text = cfg.read_text()
-        new = _model_values(text, dim, max_seq_length, precision)
-        if new != text:
-            cfg.write_text(new)
+        config = model_config.read(cfg)
+        before = config.SerializeToString(deterministic=True)
+        _model_values(config, dim, max_seq_length, precision)
+        if config.SerializeToString(deterministic=True) != before:
+            model_config.write(cfg, config, model_config.header(cfg))
             changed.append(cfg)
     return changed
 
 
-_WIDTH = re.compile(r"dims: \[ \d+ \](\s*# embedding-dim)")
-_LIMIT = re.compile(r'string_value: "\d+" \}(\s*# max-seq-length)')
-_PRECISION = re.compile(r'string_value: "\w*" \}(\s*# precision)')
-_NAMES = re.compile(r'^(name|\s*model_name): "(embed|rerank|tokenizer|encoder)"', re.MULTILINE)
-_SCORE_OUTPUT = re.compile(r"(dims: \[ 1 \]\s*# embedding-dim\n  \}\n)\]")
-LOGIT_OUTPUT = """  {
-    name: "logit__0"  # a reranker's raw logit per pair; embedding__0 holds its score (the activation of it)
-    data_type: TYPE_FP32
-    dims: [ 1 ]
-  }
-]"""
-
-
-def _model_values(text: str, dim: int, max_seq_length: int | None, precision: str | None) -> str:
-    """A config's text with the width, the limit and buckets (when given) and the precision (when given) set."""
-    new = _WIDTH.sub(rf"dims: [ {dim} ]\1", text)
+def _model_values(config, dim: int, max_seq_length: int | None, precision: str | None) -> None:
+    """Set the width, the limit and buckets and the precision (each when given) in ``config`` where declared."""
+    model_config.set_width(config, dim)
     if max_seq_length is not None:
-        new = _LIMIT.sub(rf'string_value: "{max_seq_length}" }}\1', new)
-        new = set_bucket_lengths(new, max_seq_length)
-    if precision is not None:
-        new = _PRECISION.sub(rf'string_value: "{precision}" }}\1', new)
-    return new
+        if model_config.parameter(config, model_config.MAX_SEQ_LENGTH) is not None:
+            model_config.set_parameter(config, model_config.MAX_SEQ_LENGTH, str(max_seq_length))
+        model_config.set_bucket_lengths(config, bucket_lengths(max_seq_length))
+    if precision is not None and model_config.parameter(config, model_config.PRECISION) is not None:
+        model_config.set_parameter(config, model_config.PRECISION, precision)
 
 
 def write_configs(repository: Path, name: str, manifest: ExportManifest, templates: Path = TEMPLATES) -> list[Path]:
@@ -355,11 +327,14 @@ def write_configs(repository: Path, name: str, manifest: ExportManifest, templat
 
     Each template folder (``embed``, or ``rerank`` for a reranker; ``tokenizer``, ``encoder``: ``config.pbtxt`` and
     ``configs/*.pbtxt``) goes to the folder :func:`step_names` names, with the names inside set alike and the
-    manifest's width, token limit, buckets and precision. A reranker's encoder gets the output ``logit__0`` beside
-    its score and no libtorch config.
+    manifest's width, token limit, buckets and precision (:mod:`model_config`). A reranker's encoder gets the output
+    ``logit__0`` beside its score and no libtorch config.
 
     Returns:
         The files written (those whose text changed).
+
+    Raises:
+        ValueError: a template is not a Triton model config.
     """
     tokenizer, encoder = step_names(name)
     reranker = manifest.kind == "reranker"
@@ -371,13 +346,16 @@ def write_configs(repository: Path, name: str, manifest: ExportManifest, templat
         for cfg in [source / "config.pbtxt", *sorted((source / "configs").glob("*.pbtxt"))]:
             if reranker and cfg.name == "libtorch.pbtxt":
                 continue  # Triton's libtorch backend has no second output: a reranker runs on ours in every config
-            text = _NAMES.sub(lambda m: f'{m[1]}: "{renames[m[2]]}"', cfg.read_text())
-            text = _model_values(text, manifest.dim, manifest.max_seq_length, manifest.precision)
+            config = model_config.read(cfg)
+            model_config.rename(config, renames)
+            _model_values(config, manifest.dim, manifest.max_seq_length, manifest.precision)
             if reranker and template == "encoder":
-                text = _SCORE_OUTPUT.sub(lambda m: f"{m[1][:-1]},\n{LOGIT_OUTPUT}", text)
+                model_config.add_logit(config)
             dst = repository / target / cfg.relative_to(source)
-            if not dst.is_file() or dst.read_text() != text:
-                _atomic_write(dst, lambda p, text=text: Path(p).write_text(text))
+            shown = cfg.relative_to(REPO_ROOT) if cfg.is_relative_to(REPO_ROOT) else cfg
+            if model_config.write(
+                dst, config, model_config.written_from(shown, "make model (triton_embed_server.export)")
+            ):
                 written.append(dst)
         (repository / target / "1").mkdir(parents=True, exist_ok=True)
     return written
