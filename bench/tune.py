@@ -84,12 +84,12 @@ def set_encoder(config, candidate: Candidate, max_seq_length: int) -> None:
             batcher).
     """
     from triton_embed_server import model_config
-    from triton_embed_server.export import bucket_lengths
 
     model_config.set_instances(config, candidate.instances)
     model_config.set_parameter(config, "TORCH_NUM_THREADS", str(candidate.threads))
     model_config.set_queue_delay(config, candidate.delay_us)
-    model_config.set_bucket_lengths(config, bucket_lengths(max_seq_length, half_steps=candidate.half_steps))
+    lengths = model_config.cpu_bucket_lengths(max_seq_length, half_steps=candidate.half_steps)
+    model_config.set_bucket_lengths(config, lengths)
 
 
 def write_encoder(path: Path, candidate: Candidate, max_seq_length: int, comment: list[str] | None = None) -> None:

@@ -48,7 +48,7 @@ import json
 import sys
 from pathlib import Path
 
-from triton_embed_server.export import set_config_dims
+from triton_embed_server.model_config import set_config_dims
 
 repository = Path(sys.argv[1])
 manifest = json.loads((repository / "encoder" / "1" / "export.json").read_text())

@@ -124,7 +124,7 @@ def test_the_family_exports_portable_and_serves_what_sentence_transformers_compu
 def test_a_long_context_model_gets_buckets_up_to_its_limit(exported):
     """ModernBERT at 1,024 tokens: `make model` writes CPU buckets up to 1,024 and the tokenizer's limit with them."""
     repo = exported[1]
-    _, lengths = model_config.bucket_lengths(model_config.read(encoder_folder(repo, "modernbert") / "config.pbtxt"))
+    _, lengths = model_config.buckets(model_config.read(encoder_folder(repo, "modernbert") / "config.pbtxt"))
     assert lengths[-3:] == [512, 768, 1024] and lengths == sorted(lengths)
     tokenizer = model_config.read(repo / step_names("modernbert")[0] / "config.pbtxt")
     assert model_config.parameter(tokenizer, "MAX_SEQ_LENGTH") == "1024"

@@ -92,7 +92,7 @@ def test_bench_runs_every_system_and_writes_the_report(tmp_path, sts_dev):
 
 def test_fixed_length_variant_has_a_single_bucket(tmp_path):
     repo = variant_repository(tmp_path / "repo", fixed_length=128)
-    assert model_config.bucket_lengths(model_config.read(repo / "encoder" / "config.pbtxt")) == (64, [128])
+    assert model_config.buckets(model_config.read(repo / "encoder" / "config.pbtxt")) == (64, [128])
     embed = model_config.read(repo / "embed" / "config.pbtxt")
     assert embed.HasField("response_cache") and not embed.response_cache.enable
 

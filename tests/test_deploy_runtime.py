@@ -147,7 +147,7 @@ def test_without_model_the_host_configs_get_the_packaged_models_width(tmp_path):
     the synced configs say the artifact's width, so Triton never loads a mismatched pair."""
     import shutil
 
-    from triton_embed_server.export import set_config_dims
+    from triton_embed_server.model_config import set_config_dims
 
     configs = tmp_path / "configs"
     shutil.copytree(ROOT / "model_repository", configs, ignore=shutil.ignore_patterns("1"))

@@ -50,7 +50,7 @@ def test_export_writes_checked_artifacts_and_skips_when_up_to_date(tmp_path, ref
 
 def test_set_config_dims_rewrites_every_width_limit_and_bucket_list(tmp_path):
     repo = copy_configs(tmp_path / "repo")
-    changed = exporter.set_config_dims(repo, 768)
+    changed = model_config.set_config_dims(repo, 768)
     names = sorted(str(p.relative_to(repo)) for p in changed)
     assert names == [
         "embed/config.pbtxt",
@@ -62,16 +62,16 @@ def test_set_config_dims_rewrites_every_width_limit_and_bucket_list(tmp_path):
     assert [o.dims for o in model_config.read(repo / "embed" / "config.pbtxt").output if o.name == "EMBEDDING"] == [
         [768]
     ]
-    assert exporter.set_config_dims(repo, 768) == []
-    assert exporter.set_config_dims(repo, 768, 256) == []  # the shipped limit and buckets
-    assert exporter.set_config_dims(repo, 768, 512) == [
+    assert model_config.set_config_dims(repo, 768) == []
+    assert model_config.set_config_dims(repo, 768, 256) == []  # the shipped limit and buckets
+    assert model_config.set_config_dims(repo, 768, 512) == [
         repo / "encoder" / "config.pbtxt",
         repo / "tokenizer" / "config.pbtxt",
     ]
     assert model_config.parameter(model_config.read(repo / "tokenizer" / "config.pbtxt"), "MAX_SEQ_LENGTH") == "512"
-    batch, lengths = model_config.bucket_lengths(model_config.read(repo / "encoder" / "config.pbtxt"))
+    batch, lengths = model_config.buckets(model_config.read(repo / "encoder" / "config.pbtxt"))
     assert batch == 64 and len(lengths) == 12 and lengths[-3:] == [256, 384, 512]
-    assert exporter.set_config_dims(repo, 768, 256) == [
+    assert model_config.set_config_dims(repo, 768, 256) == [
         repo / "encoder" / "config.pbtxt",
         repo / "tokenizer" / "config.pbtxt",
     ]

@@ -38,7 +38,7 @@ def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment(tmp_p
     shutil.copy(ROOT / "model_repository" / "encoder" / "config.pbtxt", config)
     write_encoder(config, Candidate(2, 1, 2000, half_steps=False), 256, ["first run", "chosen: 2 x 1"])
     once = model_config.read(config)
-    assert model_config.bucket_lengths(once) == (64, [8, 16, 32, 64, 128, 256])
+    assert model_config.buckets(once) == (64, [8, 16, 32, 64, 128, 256])
     assert once.instance_group[0].count == 2 and model_config.parameter(once, "TORCH_NUM_THREADS") == "1"
     assert once.dynamic_batching.max_queue_delay_microseconds == 2000
     assert model_config.header(config)[-2:] == [f"{MARK} first run", f"{MARK} chosen: 2 x 1"]
@@ -46,7 +46,7 @@ def test_the_config_takes_a_candidate_and_a_later_run_replaces_its_comment(tmp_p
     twice, header = model_config.read(config), model_config.header(config)
     assert f"{MARK} first run" not in header and header[-1] == f"{MARK} second run"
     assert header[0].startswith("encoder: TorchScript")  # the template's own header stays
-    assert 24 in model_config.bucket_lengths(twice)[1] and 192 in model_config.bucket_lengths(twice)[1]
+    assert 24 in model_config.buckets(twice)[1] and 192 in model_config.buckets(twice)[1]
     assert twice.instance_group[0].count == 1 and twice.dynamic_batching.max_queue_delay_microseconds == 0
 
 

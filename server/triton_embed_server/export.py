@@ -43,9 +43,8 @@ from triton_embed_protocol import DEFAULT_MODEL, model_of_step, step_names
 
 from triton_embed_server import model_config
 from triton_embed_server import precision as precision_rules
-from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, TEMPLATES
+from triton_embed_server.layout import DEFAULT_MODEL_REPOSITORY, TEMPLATES
 
-BUCKETS_FILE = REPO_ROOT / "python_backends" / "torchscript" / "buckets.py"
 MAX_ABS_DIFF = 1e-5
 """Largest allowed |served - sentence-transformers| per embedding component: the project's acceptance bound."""
 LONG_CONTEXT_NOTE = 2048
@@ -206,7 +205,7 @@ def exporter_digest() -> str:
     here = Path(__file__).parent
     templates = sorted(TEMPLATES.glob("*/config.pbtxt")) + sorted(TEMPLATES.glob("*/configs/*.pbtxt"))
     sources = (here / "export.py", here / "encoder_module.py", here / "precision.py", here / "model_config.py")
-    for path in (*sources, BUCKETS_FILE, *templates):
+    for path in (*sources, model_config.BUCKETS_FILE, *templates):
         h.update(path.read_bytes())
     h.update(precision_rules.CALIBRATION_FILE.read_bytes())
     return h.hexdigest()
@@ -259,106 +258,6 @@ def _atomic_write(path: Path, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def _buckets_module():
-    """``python_backends/torchscript/buckets.py``, the backend's bucket rules (a file of the backend, not a package)."""
-    import importlib.util
-
-    name = "triton_embed_buckets"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BUCKETS_FILE)
-        sys.modules[name] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(sys.modules[name])  # type: ignore[union-attr]
-    return sys.modules[name]
-
-
-def bucket_lengths(max_seq_length: int, *, half_steps: bool = True) -> list[int]:
-    """The CPU config's length buckets for a model of ``max_seq_length`` tokens: ``buckets.bucket_lengths``.
-
-    ``half_steps`` False: powers of two only (8, 16, 32, ...), fewer buckets and more padding (``make tune`` tries
-    both).
-    """
-    return list(_buckets_module().bucket_lengths(max_seq_length, half_steps=half_steps))
-
-
-def set_config_dims(
-    repository: Path, dim: int, max_seq_length: int | None = None, precision: str | None = None
-) -> list[Path]:
-    """Set the embedding width, the token limit, the length buckets and the precision in every config declaring them.
-
-    The width is the one dimension of the outputs ``embedding__0`` and ``EMBEDDING``; the limit, the tokenizer's
-    parameter ``MAX_SEQ_LENGTH``; the buckets, a ``graph_spec`` list of one batch size (the CPU config's), whose
-    lengths become ``buckets.bucket_lengths(max_seq_length)`` (8 ... max_seq_length); the precision, the encoder's
-    parameter ``PRECISION``. The limit and the buckets are set only when ``max_seq_length`` is given, the precision
-    when ``precision`` is. A config that changes is written again in text format (:mod:`model_config`), its header
-    kept.
-
-    Returns:
-        The config files that changed (empty when they already said all of it).
-
-    Raises:
-        ValueError: a file is not a Triton model config.
-    """
-    changed = []
-    for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
-        config = model_config.read(cfg)
-        before = config.SerializeToString(deterministic=True)
-        _model_values(config, dim, max_seq_length, precision)
-        if config.SerializeToString(deterministic=True) != before:
-            model_config.write(cfg, config, model_config.header(cfg))
-            changed.append(cfg)
-    return changed
-
-
-def _model_values(config, dim: int, max_seq_length: int | None, precision: str | None) -> None:
-    """Set the width, the limit and buckets and the precision (each when given) in ``config`` where declared."""
-    model_config.set_width(config, dim)
-    if max_seq_length is not None:
-        if model_config.parameter(config, model_config.MAX_SEQ_LENGTH) is not None:
-            model_config.set_parameter(config, model_config.MAX_SEQ_LENGTH, str(max_seq_length))
-        model_config.set_bucket_lengths(config, bucket_lengths(max_seq_length))
-    if precision is not None and model_config.parameter(config, model_config.PRECISION) is not None:
-        model_config.set_parameter(config, model_config.PRECISION, precision)
-
-
-def write_configs(repository: Path, name: str, manifest: ExportManifest, templates: Path = TEMPLATES) -> list[Path]:
-    """Write the model ``name``'s configs into ``repository`` from ``templates``, with its ensemble's version folder.
-
-    Each template folder (``embed``, or ``rerank`` for a reranker; ``tokenizer``, ``encoder``: ``config.pbtxt`` and
-    ``configs/*.pbtxt``) goes to the folder :func:`step_names` names, with the names inside set alike and the
-    manifest's width, token limit, buckets and precision (:mod:`model_config`). A reranker's encoder gets the output
-    ``logit__0`` beside its score and no libtorch config.
-
-    Returns:
-        The files written (those whose text changed).
-
-    Raises:
-        ValueError: a template is not a Triton model config.
-    """
-    tokenizer, encoder = step_names(name)
-    reranker = manifest.kind == "reranker"
-    ensemble = "rerank" if reranker else "embed"
-    renames = {ensemble: name, "tokenizer": tokenizer, "encoder": encoder}
-    written = []
-    for template, target in renames.items():
-        source = templates / template
-        for cfg in [source / "config.pbtxt", *sorted((source / "configs").glob("*.pbtxt"))]:
-            if reranker and cfg.name == "libtorch.pbtxt":
-                continue  # Triton's libtorch backend has no second output: a reranker runs on ours in every config
-            config = model_config.read(cfg)
-            model_config.rename(config, renames)
-            _model_values(config, manifest.dim, manifest.max_seq_length, manifest.precision)
-            if reranker and template == "encoder":
-                model_config.add_logit(config)
-            dst = repository / target / cfg.relative_to(source)
-            shown = cfg.relative_to(REPO_ROOT) if cfg.is_relative_to(REPO_ROOT) else cfg
-            if model_config.write(
-                dst, config, model_config.written_from(shown, "make model (triton_embed_server.export)")
-            ):
-                written.append(dst)
-        (repository / target / "1").mkdir(parents=True, exist_ok=True)
-    return written
 
 
 def export(
@@ -495,7 +394,15 @@ def _write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
     _atomic_write(tokenizer_dir / "tokenizer.json", tokenizer.save)
     _atomic_write(tokenizer_dir / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
     _atomic_write(encoder_dir / "model.pt", lambda p: torch.jit.save(traced, p))
-    write_configs(repository, name, manifest, templates)
+    model_config.write_configs(
+        repository,
+        name,
+        templates,
+        dim=manifest.dim,
+        max_seq_length=manifest.max_seq_length,
+        precision=manifest.precision,
+        reranker=manifest.kind == "reranker",
+    )
     text = json.dumps(asdict(manifest), indent=2) + "\n"
     _atomic_write(manifest_file(repository, name), lambda p: Path(p).write_text(text))
 

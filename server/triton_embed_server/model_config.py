@@ -1,7 +1,7 @@
 """The model repository's configs as typed messages: Triton's ``ModelConfig`` protobuf, read from text, written back.
 
 Every writer of a served config goes through this module: ``make model``'s export and the compose/Kubernetes sync
-(``export.write_configs``, ``export.set_config_dims``), bench's variants (``bench.serving.variant_repository``),
+(:func:`write_configs`, :func:`set_config_dims`), bench's variants (``bench.serving.variant_repository``),
 ``make tune`` and the tests. Each reads a template or a served file with :func:`read`, changes fields of the message
 with the functions below, and writes it with :func:`write`: protobuf's text format (which Triton reads) under a
 header of comment lines. A template's own comments, which say why each setting is what it is, stay in the template
@@ -11,12 +11,16 @@ header of comment lines. A template's own comments, which say why each setting i
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf import text_format
+from triton_embed_protocol import step_names
 from tritonclient.grpc import model_config_pb2
+
+from triton_embed_server.layout import REPO_ROOT
 
 ModelConfig = model_config_pb2.ModelConfig
 
@@ -30,6 +34,8 @@ LOGIT = "logit__0"
 """A reranker encoder's second output: its raw logit per pair (``embedding__0`` holds the score)."""
 TOKEN_INPUT = "input_ids"  # noqa: S105 - a tensor name
 """The input a ``graph_spec`` entry sizes: its ``dim`` is the bucket's length in tokens."""
+BUCKETS_FILE = REPO_ROOT / "python_backends" / "torchscript" / "buckets.py"
+"""The backend's bucket rules, which :func:`cpu_bucket_lengths` follows."""
 
 
 def read(path: Path) -> ModelConfig:
@@ -171,7 +177,7 @@ def set_instances(config: ModelConfig, count: int) -> None:
     config.instance_group[0].count = count
 
 
-def bucket_lengths(config: ModelConfig) -> tuple[int | None, list[int]]:
+def buckets(config: ModelConfig) -> tuple[int | None, list[int]]:
     """The ``graph_spec`` list as (its one batch size, its lengths); (None, []) when it has several or none."""
     specs = config.optimization.cuda.graph_spec
     batches = {spec.batch_size for spec in specs}
@@ -187,7 +193,7 @@ def set_bucket_lengths(config: ModelConfig, lengths: list[int], batch: int | Non
     unless ``batch`` is given; so is a config without a list.
     """
     if batch is None:
-        batch, _ = bucket_lengths(config)
+        batch, _ = buckets(config)
         if batch is None:
             return
     specs = config.optimization.cuda.graph_spec
@@ -195,3 +201,109 @@ def set_bucket_lengths(config: ModelConfig, lengths: list[int], batch: int | Non
     for length in lengths:
         spec = specs.add(batch_size=batch)
         spec.input[TOKEN_INPUT].dim.append(length)
+
+
+def _buckets_module():
+    """``python_backends/torchscript/buckets.py``, the backend's bucket rules (a file of the backend, not a package)."""
+    import importlib.util
+
+    name = "triton_embed_buckets"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BUCKETS_FILE)
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(sys.modules[name])  # type: ignore[union-attr]
+    return sys.modules[name]
+
+
+def cpu_bucket_lengths(max_seq_length: int, *, half_steps: bool = True) -> list[int]:
+    """The CPU config's length buckets for a model of ``max_seq_length`` tokens: ``buckets.bucket_lengths``.
+
+    ``half_steps`` False: powers of two only (8, 16, 32, ...), fewer buckets and more padding (``make tune`` tries
+    both).
+    """
+    return list(_buckets_module().bucket_lengths(max_seq_length, half_steps=half_steps))
+
+
+def set_model_values(config: ModelConfig, dim: int, max_seq_length: int | None, precision: str | None) -> None:
+    """Set the model's width, and its token limit and buckets and its precision (each when given), where declared.
+
+    The width is the one dimension of the outputs :data:`WIDTH_OUTPUTS`; the limit, the tokenizer's parameter
+    :data:`MAX_SEQ_LENGTH`; the buckets, a ``graph_spec`` list of one batch size (the CPU config's), whose lengths
+    become :func:`cpu_bucket_lengths`; the precision, the encoder's parameter :data:`PRECISION`.
+    """
+    set_width(config, dim)
+    if max_seq_length is not None:
+        if parameter(config, MAX_SEQ_LENGTH) is not None:
+            set_parameter(config, MAX_SEQ_LENGTH, str(max_seq_length))
+        set_bucket_lengths(config, cpu_bucket_lengths(max_seq_length))
+    if precision is not None and parameter(config, PRECISION) is not None:
+        set_parameter(config, PRECISION, precision)
+
+
+def set_config_dims(
+    repository: Path, dim: int, max_seq_length: int | None = None, precision: str | None = None
+) -> list[Path]:
+    """:func:`set_model_values` in every config of ``repository`` (the compose and Kubernetes sync calls it).
+
+    A config that changes is written again, its header kept.
+
+    Returns:
+        The config files that changed (empty when they already said all of it).
+
+    Raises:
+        ValueError: a file is not a Triton model config.
+    """
+    changed = []
+    for cfg in sorted(repository.glob("*/config.pbtxt")) + sorted(repository.glob("*/configs/*.pbtxt")):
+        config = read(cfg)
+        before = config.SerializeToString(deterministic=True)
+        set_model_values(config, dim, max_seq_length, precision)
+        if config.SerializeToString(deterministic=True) != before:
+            write(cfg, config, header(cfg))
+            changed.append(cfg)
+    return changed
+
+
+def write_configs(  # noqa: PLR0913 - the model's name, where from and to, and its values
+    repository: Path,
+    name: str,
+    templates: Path,
+    *,
+    dim: int,
+    max_seq_length: int,
+    precision: str,
+    reranker: bool = False,
+) -> list[Path]:
+    """Write the model ``name``'s configs into ``repository`` from ``templates``, with its ensemble's version folder.
+
+    Each template folder (``embed``, or ``rerank`` for a reranker; ``tokenizer``, ``encoder``: ``config.pbtxt`` and
+    ``configs/*.pbtxt``) goes to the folder ``triton_embed_protocol.step_names`` names, with the names inside set
+    alike and the model's values (:func:`set_model_values`). A reranker's encoder gets the output :data:`LOGIT` beside
+    its score and no libtorch config.
+
+    Returns:
+        The files written (those whose text changed).
+
+    Raises:
+        ValueError: a template is not a Triton model config.
+    """
+    tokenizer, encoder = step_names(name)
+    ensemble = "rerank" if reranker else "embed"
+    renames = {ensemble: name, "tokenizer": tokenizer, "encoder": encoder}
+    written = []
+    for template, target in renames.items():
+        source = templates / template
+        for cfg in [source / "config.pbtxt", *sorted((source / "configs").glob("*.pbtxt"))]:
+            if reranker and cfg.name == "libtorch.pbtxt":
+                continue  # Triton's libtorch backend has no second output: a reranker runs on ours in every config
+            config = read(cfg)
+            rename(config, renames)
+            set_model_values(config, dim, max_seq_length, precision)
+            if reranker and template == "encoder":
+                add_logit(config)
+            dst = repository / target / cfg.relative_to(source)
+            shown = cfg.relative_to(REPO_ROOT) if cfg.is_relative_to(REPO_ROOT) else cfg
+            if write(dst, config, written_from(shown, "make model (triton_embed_server.export)")):
+                written.append(dst)
+        (repository / target / "1").mkdir(parents=True, exist_ok=True)
+    return written
