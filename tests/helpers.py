@@ -232,15 +232,13 @@ def held_repository(dst: Path, hold_s: float = HOLD_S) -> Path:
     """The shipped model repository at ``dst`` (artifacts linked, response cache off) whose tokenizer holds every
     request ``hold_s`` seconds before it runs (its dynamic batcher's ``max_queue_delay_microseconds``; requests of
     64 texts fill a batch and run at once), so that a test can see requests waiting for their first step."""
+    from triton_embed_server import model_config
+
     from bench.serving import variant_repository
 
     repo = variant_repository(dst, None)
-    config = repo / "tokenizer" / "config.pbtxt"
-    text, n = re.subn(
-        r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {int(hold_s * 1e6)}", config.read_text()
-    )
-    assert n == 1, f"{config}: expected one max_queue_delay_microseconds, found {n}"
-    config.write_text(text)
+    delay_us = int(hold_s * 1e6)
+    model_config.edit(repo / "tokenizer" / "config.pbtxt", lambda c: model_config.set_queue_delay(c, delay_us))
     return repo
 
 
