@@ -18,10 +18,9 @@ import urllib.request
 from dataclasses import dataclass
 
 import gevent
+from triton_embed_protocol.admission import METRIC
 
 log = logging.getLogger("loadtest")
-
-METRIC = "triton_embed_shed_requests_total"  # python_backends/triton_embed_protocol/overload.py: METRIC
 
 
 @dataclass(frozen=True)

@@ -70,9 +70,7 @@ from triton_embed_protocol import (
     model_of_step,
     request_parameters,
 )
-from triton_embed_protocol.admission import Sorted, TokenizerAdmission
-from triton_embed_protocol.metric_lifetime import keep
-from triton_embed_protocol.overload import METRIC, METRIC_HELP
+from triton_embed_protocol.admission import RefusalCounter, Sorted, TokenizerAdmission
 
 END, START, NONE = MODES = ("END", "START", "NONE")
 
@@ -198,13 +196,8 @@ class TritonPythonModel:
                 f"config parameter MAX_SEQ_LENGTH is {configured} but {path} truncates at {self.max_tokens}: "
                 "run `make model` (it sets both)"
             )
-        self._shed_family = pb_utils.MetricFamily(
-            name=METRIC, description=METRIC_HELP, kind=pb_utils.MetricFamily.COUNTER
-        )
-        self._shed_metric = self._shed_family.Metric(labels={"model": args["model_name"]})
-        self.admission = TokenizerAdmission(
-            args["model_repository"], model_of_step(args["model_name"]), self._shed_metric.increment
-        )
+        self._refused = RefusalCounter(pb_utils.MetricFamily, args["model_name"])
+        self.admission = TokenizerAdmission(args["model_repository"], model_of_step(args["model_name"]), self._refused)
         self.truncate = params.get("TRUNCATION", "truncate")
         if self.truncate not in ("truncate", "error"):
             raise pb_utils.TritonModelException(
@@ -265,7 +258,7 @@ class TritonPythonModel:
         finalizes the old instance after the new one loaded) must still read.
         """
         self.admission.close()
-        keep(self._shed_metric, self._shed_family)
+        self._refused.close()
 
     def execute(self, requests: list) -> None:
         """Refuse at the door past ``MAX_IN_FLIGHT``; tokenise the rest's texts in two calls at most (END/NONE, START).

@@ -57,11 +57,12 @@ from triton_embed_protocol import (
     model_of_step,
     request_parameters,
 )
-from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, HandOff, Ticket
+from triton_embed_protocol.admission import EncoderAdmission, HandOff, RefusalCounter, Ticket
 from triton_embed_protocol.capacity import (
     CURVE_GAUGE,
     KNOB_GAUGE,
     REF_TOKENS,
+    AdmissionConfig,
     Limits,
     ServiceCurve,
     grid,
@@ -69,7 +70,6 @@ from triton_embed_protocol.capacity import (
 )
 from triton_embed_protocol.cpu import usable_cores
 from triton_embed_protocol.metric_lifetime import keep
-from triton_embed_protocol.overload import METRIC, METRIC_HELP
 
 OUTPUT = "embedding__0"
 LOGIT = "logit__0"
@@ -181,7 +181,7 @@ class TritonPythonModel:
         params = config_parameters(self.model_config)
         try:
             threads = config_number(params, "TORCH_NUM_THREADS", "0", integer=True)
-            settings = EncoderSettings.read(params)
+            knobs = AdmissionConfig.read(params)  # every admission knob checked before the warmup
         except ValueError as exc:
             raise pb_utils.TritonModelException(str(exc)) from None
         precision = manifest.get("precision", "fp32")
@@ -225,7 +225,7 @@ class TritonPythonModel:
         lock = f"cuda{device.index}" if device.type == "cuda" else "cpu"
         with timing_alone(lock) as waited:  # timed beside another encoder's warmup, executions read 2-3x slow
             self.runner.warmup()
-            self._admit(args, params, settings, threads if device.type == "cpu" else None, waited)
+            self._admit(args, knobs, threads if device.type == "cpu" else None, waited)
         out_cfg = pb_utils.get_output_config_by_name(self.model_config, OUTPUT)
         self.output_dtype = pb_utils.triton_string_to_numpy(out_cfg["data_type"])
         self.dim = int(out_cfg["dims"][-1])
@@ -237,34 +237,26 @@ class TritonPythonModel:
                 "re-run `make model`, which sets the configs' dims"
             )
 
-    def _admit(
-        self, args: dict, params: dict[str, str], settings: EncoderSettings, threads: int | None, waited: float | None
-    ) -> None:
+    def _admit(self, args: dict, knobs: AdmissionConfig, threads: int | None, waited: float | None) -> None:
         """Time the executions at load; admission derives its knobs from them and tells the tokenizer.
 
-        ``threads``: torch threads to share among the busy models (None: a GPU instance). ``waited``: seconds this
-        encoder waited for the host's timing lock (``capacity.timing_alone``; None: it times without it).
-
-        Raises:
-            TritonModelException: a knob is neither ``auto`` nor a number >= 0.
+        ``knobs``: the config's admission knobs (read before the warmup). ``threads``: torch threads to share among
+        the busy models (None: a GPU instance). ``waited``: seconds this encoder waited for the host's timing lock
+        (``capacity.timing_alone``; None: it times without it).
         """
         name = f"{args['model_name']} (instance {args['model_instance_name']})"
         max_batch = int(self.model_config.get("max_batch_size", 0)) or 64
         tokens = min(REF_TOKENS, self.max_seq_length)
         curve = ServiceCurve(self.runner.time_batches(tokens, grid(max_batch)), max_batch)
-        try:
-            self.admission = EncoderAdmission(
-                args["model_repository"],
-                model_of_step(args["model_name"]),
-                params,
-                settings,
-                curve,
-                threads=threads,
-                publish=self._metrics.admission,
-                count_refused=self._metrics.shed,
-            )
-        except ValueError as exc:
-            raise pb_utils.TritonModelException(str(exc)) from None
+        self.admission = EncoderAdmission(
+            args["model_repository"],
+            model_of_step(args["model_name"]),
+            knobs,
+            curve,
+            threads=threads,
+            publish=self._metrics.admission,
+            count_refused=self._metrics.refused,
+        )
         pb_utils.Logger.log_info(
             f"{name}: admission {self.admission.limits.describe()}; service curve at {tokens} tokens a text, "
             + (
@@ -413,7 +405,6 @@ class _BucketMetrics:
             description="Tokens the encoder computed including padding (padded batch x padded length)",
             kind=counter,
         )
-        self._shed = pb_utils.MetricFamily(name=METRIC, description=METRIC_HELP, kind=counter)
         gauge = pb_utils.MetricFamily.GAUGE
         self._knobs = pb_utils.MetricFamily(
             name=KNOB_GAUGE,
@@ -428,7 +419,8 @@ class _BucketMetrics:
             kind=gauge,
         )
         self._gauges: dict[tuple, object] = {}
-        self._shed_metric = self._shed.Metric(labels={"model": model})
+        self.refused = RefusalCounter(pb_utils.MetricFamily, model)
+        """counts the requests the wait rule refused (admission's ``count_refused``)"""
         self._real_metric = self._real.Metric(labels={"model": model})
         self._padded_metric = self._padded.Metric(labels={"model": model})
         self._by_bucket: dict[tuple[str, str], object] = {}
@@ -457,20 +449,15 @@ class _BucketMetrics:
             self._gauges[key] = family.Metric(labels={"model": self.model, **labels})
         return self._gauges[key]
 
-    def shed(self, requests: int) -> None:
-        """Count requests refused by the overload control."""
-        self._shed_metric.increment(requests)
-
     def close(self) -> None:
         """Keep every metric and family alive for good, then drop this instance's references.
 
         Releasing them would delete the reloaded instance's metrics (``metric_lifetime.py``).
         """
-        keep(
-            *self._by_bucket.values(), *self._gauges.values(), self._real_metric, self._padded_metric, self._shed_metric
-        )
-        keep(self._executions, self._real, self._padded, self._shed, self._knobs, self._curve)
+        keep(*self._by_bucket.values(), *self._gauges.values(), self._real_metric, self._padded_metric)
+        keep(self._executions, self._real, self._padded, self._knobs, self._curve)
+        self.refused.close()
         self._by_bucket.clear()
         self._gauges.clear()
-        self._real_metric = self._padded_metric = self._shed_metric = None
-        self._executions = self._real = self._padded = self._shed = None
+        self._real_metric = self._padded_metric = None
+        self._executions = self._real = self._padded = None

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from triton_embed_protocol import BUDGET, config_number
-from triton_embed_protocol.capacity import Knobs, Limits, ServiceCurve
+from triton_embed_protocol import BUDGET
+from triton_embed_protocol.capacity import AdmissionConfig, Knobs, Limits, ServiceCurve
+from triton_embed_protocol.metric_lifetime import keep
 from triton_embed_protocol.overload import (
     BudgetError,
     BulkLane,
@@ -48,6 +49,40 @@ Refusal = Callable[[int, str], Answer]
 
 PUBLISH_S = 5.0
 """The service curve's gauges are set at most this often, s (the admission knobs' whenever they change)."""
+
+METRIC = "triton_embed_shed_requests_total"
+"""Counter of the requests admission refused (:class:`RefusalCounter`), labelled ``model`` (the step that refused)."""
+METRIC_HELP = (
+    "Requests answered UNAVAILABLE as overloaded: at the tokenizer (MAX_IN_FLIGHT or BULK_QUEUE reached) or at the "
+    "encoder (waited longer than its latency budget)"
+)
+
+
+class RefusalCounter:
+    """The one counter of refused requests, :data:`METRIC` ``{model=<step>}``, as either backend keeps it.
+
+    Call it with the number of requests refused; pass it as the ``count_refused`` of :class:`TokenizerAdmission` or
+    :class:`EncoderAdmission`. Its family and series outlive the instance (``metric_lifetime.keep``), so that a reload
+    does not delete the new instance's series.
+    """
+
+    def __init__(self, metric_family: Any, step: str) -> None:
+        """Make the series of ``step`` (a tokenizer or encoder model's name).
+
+        Args:
+            metric_family: the Python backend's ``pb_utils.MetricFamily`` class (this module imports no Triton).
+            step: the model the refusals are counted for.
+        """
+        self._family = metric_family(name=METRIC, description=METRIC_HELP, kind=metric_family.COUNTER)
+        self._series = self._family.Metric(labels={"model": step})
+
+    def __call__(self, requests: int) -> None:
+        """Count ``requests`` more refused requests."""
+        self._series.increment(requests)
+
+    def close(self) -> None:
+        """Keep the family and the series alive for good (a Triton 2.51 workaround: ``metric_lifetime.py``)."""
+        keep(self._series, self._family)
 
 
 @dataclass
@@ -165,31 +200,6 @@ class TokenizerAdmission:
 
 
 @dataclass(frozen=True)
-class EncoderSettings:
-    """The encoder's knobs read as plain numbers from its config (the derived ones: :class:`capacity.Knobs`)."""
-
-    latency_budget_ms: float
-    """``LATENCY_BUDGET_MS``: a request's latency budget when it sends none, ms (0 = none)"""
-    refusal_hold_ns: int
-    """``REFUSAL_HOLD_MS``: a refusal is answered this long after the request entered the service, ns"""
-    bulk_queue: int
-    """``BULK_QUEUE``: bulk texts that may wait in the tokenizer's lane (0 = no bound)"""
-
-    @classmethod
-    def read(cls, parameters: dict[str, str]) -> EncoderSettings:
-        """The settings in the encoder's config parameters (``triton_embed_protocol.config_parameters``).
-
-        Raises:
-            ValueError: a knob is not a number >= 0 (``BULK_QUEUE``: an integer); the message names it and the value.
-        """
-        return cls(
-            latency_budget_ms=config_number(parameters, "LATENCY_BUDGET_MS", "0"),
-            refusal_hold_ns=int(config_number(parameters, "REFUSAL_HOLD_MS", "0") * 1e6),
-            bulk_queue=int(config_number(parameters, "BULK_QUEUE", "0", integer=True)),
-        )
-
-
-@dataclass(frozen=True)
 class HandOff:
     """What the tokenizer hands the encoder with a request's tokens (its tensors ``queued_ns`` and ``bulk``)."""
 
@@ -233,8 +243,7 @@ class EncoderAdmission:
         self,
         model_directory: str | Path,
         model: str,
-        parameters: dict[str, str],
-        settings: EncoderSettings,
+        config: AdmissionConfig,
         curve: ServiceCurve,
         *,
         threads: int | None,
@@ -246,19 +255,15 @@ class EncoderAdmission:
         Args:
             model_directory: the encoder's folder in the model repository.
             model: its ensemble.
-            parameters: its config parameters (the derived knobs: ``auto`` or a number each).
-            settings: its plain knobs (:meth:`EncoderSettings.read`).
+            config: its knobs as its config sets them (:meth:`capacity.AdmissionConfig.read`).
             curve: its service curve.
             threads: torch threads to share among the busy models of this server (a CPU instance); None: a GPU's,
                 not shared.
             publish: sets the backend's gauges of the knobs in force and the curve.
             count_refused: the backend's counter of requests refused by the wait rule.
-
-        Raises:
-            ValueError: a derived knob is neither ``auto`` nor a number >= 0 (``SLA_MS``: > 0).
         """
-        self.settings = settings
-        self.knobs = Knobs(parameters, curve)
+        self.config = config
+        self.knobs = Knobs(config, curve)
         self.limits = self.knobs.limits()
         self._publish = publish
         self._count_refused = count_refused
@@ -270,9 +275,9 @@ class EncoderAdmission:
         self.in_flight = InFlight(model_directory, model)
         self.in_flight.reset(  # the tokenizer's door and bulk lane read them
             self.limits.max_in_flight,
-            settings.refusal_hold_ns,
+            config.refusal_hold_ns,
             int(self.limits.flood_latency_ms * 1e6),
-            (self.limits.bulk_in_flight, settings.bulk_queue, self.limits.bulk_texts),
+            (self.limits.bulk_in_flight, config.bulk_queue, self.limits.bulk_texts),
         )
 
     def begin(self, requests: int) -> int | None:
@@ -311,7 +316,7 @@ class EncoderAdmission:
             lanes = (0, handed.texts) if handed.bulk else (handed.texts, 0)
             ticket = Ticket(handed.stamp_ns, (now_ns - handed.stamp_ns) / 1e6, *lanes, own_budget=BUDGET in parameters)
         try:
-            ticket.budget_ms = request_budget_ms(parameters, self.settings.latency_budget_ms)
+            ticket.budget_ms = request_budget_ms(parameters, self.config.latency_budget_ms)
         except BudgetError as exc:
             ticket.error = str(exc)
         return ticket
@@ -343,7 +348,7 @@ class EncoderAdmission:
         self._owed = [self._owed[0] - gone[0], self._owed[1] - gone[1]]
         for k, message in refused.items():
             ticket = tickets[live[k]]
-            self._refusals.hold((ticket.stamp or 0) + self.settings.refusal_hold_ns, refusal(live[k], message))
+            self._refusals.hold((ticket.stamp or 0) + self.config.refusal_hold_ns, refusal(live[k], message))
         self._count_refused(len(refused))
         return {live[k] for k in refused}
 

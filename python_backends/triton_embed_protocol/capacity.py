@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_embed_protocol import shared_folder
+from triton_embed_protocol import config_number, shared_folder
 
 AUTO = "auto"
 """The config value that lets a knob follow the measured curve."""
@@ -377,35 +377,83 @@ def pinned(parameters: dict[str, str], key: str, default: str, *, integer: bool 
     return value
 
 
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Every admission knob of one encoder as its config parameters set it, read and checked at once.
+
+    The derived knobs are a number where the config pins one and None where it says ``auto`` (:class:`Knobs` derives
+    those from the service curve); the others are plain numbers. docs/overload.md and docs/configuration.md describe
+    each.
+    """
+
+    sla_ms: float
+    """``SLA_MS``: the p99 target, ms (> 0)"""
+    max_in_flight: int | None
+    """``MAX_IN_FLIGHT``: the door, interactive texts in the service (0: no door); None: derived"""
+    bulk_in_flight: int | None
+    """``BULK_IN_FLIGHT``: the bulk lane's share, bulk texts in the service (0: no lane); None: derived"""
+    bulk_texts: int | None
+    """``BULK_TEXTS``: a request of more texts than this is bulk; None: derived"""
+    flood_latency_ms: float | None
+    """``FLOOD_LATENCY_MS``: under a flood the door aims at this time in the service, ms (0: off); None: derived"""
+    served_p99_ms: float | None
+    """``SERVED_P99_MS``: the served p99 the door keeps admitted requests within, ms (0: off); None: derived"""
+    latency_budget_ms: float
+    """``LATENCY_BUDGET_MS``: a request's latency budget when it sends none, ms (0: none)"""
+    refusal_hold_ns: int
+    """``REFUSAL_HOLD_MS``: a refusal is answered this long after the request entered the service, ns"""
+    bulk_queue: int
+    """``BULK_QUEUE``: bulk texts that may wait in the tokenizer's lane (0: no bound)"""
+
+    @classmethod
+    def read(cls, parameters: dict[str, str]) -> AdmissionConfig:
+        """The knobs in the encoder's config parameters (``triton_embed_protocol.config_parameters``).
+
+        Raises:
+            ValueError: a knob is not ``auto`` or a number >= 0 as it must be (``SLA_MS``: a number > 0;
+                ``BULK_QUEUE``: an integer); the message names it and the value.
+        """
+        sla = pinned(parameters, "SLA_MS", "200", integer=False)
+        if not sla:
+            raise ValueError(f"config parameter SLA_MS must be a number of ms > 0; got {parameters.get('SLA_MS')!r}")
+        door, bulk, texts = (pinned(parameters, key, AUTO) for key in ("MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS"))
+        return cls(
+            sla_ms=sla,
+            max_in_flight=None if door is None else int(door),
+            bulk_in_flight=None if bulk is None else int(bulk),
+            bulk_texts=None if texts is None else int(texts),
+            flood_latency_ms=pinned(parameters, "FLOOD_LATENCY_MS", AUTO, integer=False),
+            served_p99_ms=pinned(parameters, "SERVED_P99_MS", AUTO, integer=False),
+            latency_budget_ms=config_number(parameters, "LATENCY_BUDGET_MS", "0"),
+            refusal_hold_ns=int(config_number(parameters, "REFUSAL_HOLD_MS", "0") * 1e6),
+            bulk_queue=int(config_number(parameters, "BULK_QUEUE", "0", integer=True)),
+        )
+
+
 class Knobs:
     """The admission knobs of one encoder: pinned ones as the config says, the others derived from its curve.
 
-    ``BULK_TEXTS`` is fixed at load (the tokenizer and the encoder must sort a request into the same lane);
+    ``BULK_TEXTS`` is fixed at load (a request's lane does not change with the load);
     ``MAX_IN_FLIGHT`` and ``BULK_IN_FLIGHT`` follow the curve as executions are served (:meth:`limits`).
     """
 
     KNOBS = ("SLA_MS", "MAX_IN_FLIGHT", "BULK_IN_FLIGHT", "BULK_TEXTS", "FLOOD_LATENCY_MS", "SERVED_P99_MS")
 
-    def __init__(self, parameters: dict[str, str], curve: ServiceCurve) -> None:
-        """Read the knobs (``auto`` or a number each) and derive the ones left to the curve.
+    def __init__(self, config: AdmissionConfig, curve: ServiceCurve) -> None:
+        """Derive the knobs ``config`` leaves to the curve (``auto``).
 
         Args:
-            parameters: the encoder's config parameters (``triton_embed_protocol.config_parameters``).
+            config: the encoder's knobs as its config sets them (:meth:`AdmissionConfig.read`).
             curve: its service curve, measured at load.
-
-        Raises:
-            ValueError: a knob is neither ``auto`` nor a number >= 0 (``SLA_MS``: a number > 0).
         """
-        sla = pinned(parameters, "SLA_MS", "200", integer=False)
-        if not sla:
-            raise ValueError(f"config parameter SLA_MS must be a number of ms > 0; got {parameters.get('SLA_MS')!r}")
-        self.sla_ms = sla
+        self.config = config
+        self.sla_ms = config.sla_ms
         self.curve = curve
-        self._door = pinned(parameters, "MAX_IN_FLIGHT", AUTO)
-        self._bulk = pinned(parameters, "BULK_IN_FLIGHT", AUTO)
-        flood = pinned(parameters, "FLOOD_LATENCY_MS", AUTO, integer=False)
+        self._door = config.max_in_flight
+        self._bulk = config.bulk_in_flight
+        flood = config.flood_latency_ms
         self.flood_latency_ms = self.sla_ms / 2 if flood is None else flood
-        served = pinned(parameters, "SERVED_P99_MS", AUTO, integer=False)
+        served = config.served_p99_ms
         self.served_p99_ms = self.sla_ms * FEEDBACK_SHARE if served is None else served
         self._how = {
             "SLA_MS": "pinned",
@@ -415,7 +463,7 @@ class Knobs:
         self.served = ServedLatency(self.served_p99_ms) if self.served_p99_ms else None
         self._load_door = self._door_now = 0
         self._load_door = self._door_now = self._door_and_lane()[0]
-        texts = pinned(parameters, "BULK_TEXTS", AUTO)
+        texts = config.bulk_texts
         if texts is None:
             door = self._load_door or self.curve.max_batch
             texts = max(1, min(self.curve.max_batch, door // 4))

@@ -36,13 +36,6 @@ from typing import NamedTuple
 
 from triton_embed_protocol import BUDGET, budget_problem, refusal, shared_folder
 
-METRIC = "triton_embed_shed_requests_total"
-"""Counter of requests refused by the encoder's overload control, labelled ``model``."""
-METRIC_HELP = (
-    "Requests answered UNAVAILABLE as overloaded: at the tokenizer (MAX_IN_FLIGHT or BULK_QUEUE reached) or at the "
-    "encoder (waited longer than its latency budget)"
-)
-
 
 class BudgetError(ValueError):
     """The request parameter ``latency_budget_ms`` breaks :func:`triton_embed_protocol.budget_problem`'s rule."""

@@ -6,8 +6,8 @@ import time
 
 import pytest
 from triton_embed_protocol import refusal_reason
-from triton_embed_protocol.admission import EncoderAdmission, EncoderSettings, HandOff, TokenizerAdmission
-from triton_embed_protocol.capacity import ServiceCurve, grid
+from triton_embed_protocol.admission import EncoderAdmission, HandOff, TokenizerAdmission
+from triton_embed_protocol.capacity import AdmissionConfig, ServiceCurve, grid
 
 
 class Backends:
@@ -24,8 +24,7 @@ class Backends:
         self.encoder = EncoderAdmission(
             root / "repo" / "encoder",
             "embed",
-            parameters,
-            EncoderSettings.read(parameters),
+            AdmissionConfig.read(parameters),
             curve,
             threads=2,
             publish=lambda limits, _: self.published.append(limits.knobs()),
@@ -148,6 +147,6 @@ def test_an_execution_that_fails_still_counts_out_what_the_tokenizer_counted_in(
 
 def test_a_bad_knob_is_an_error_naming_it():
     with pytest.raises(ValueError, match="REFUSAL_HOLD_MS must be a number >= 0; got 'soon'"):
-        EncoderSettings.read({"REFUSAL_HOLD_MS": "soon"})
+        AdmissionConfig.read({"REFUSAL_HOLD_MS": "soon"})
     with pytest.raises(ValueError, match="BULK_QUEUE must be an integer"):
-        EncoderSettings.read({"BULK_QUEUE": "2.5"})
+        AdmissionConfig.read({"BULK_QUEUE": "2.5"})
