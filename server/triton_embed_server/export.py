@@ -16,9 +16,9 @@ of the default name):
   and ``default_prompt_name``, which the tokenizer applies.
 * ``encoder/1/export.json``: the :class:`ExportManifest`.
 
-A cross-encoder (:func:`is_reranker`) is exported as a reranker instead: the ensemble template ``rerank``, the
-tokenizer joining (query, document) pairs, and ``encoder_module.PairScorer`` (score and logit per pair), checked
-against ``CrossEncoder.predict``.
+A cross-encoder (``export_reranker.is_reranker``) is exported as a reranker instead (``export_reranker.py``): the
+ensemble template ``rerank``, the tokenizer joining (query, document) pairs, and ``encoder_module.PairScorer`` (score
+and logit per pair), checked against ``CrossEncoder.predict``.
 
 Before anything is written, the exported pair (our tokenizer file + the traced module at fp32) is compared with
 ``SentenceTransformer.encode(..., normalize_embeddings=True)`` on texts of many lengths; a max abs difference of
@@ -85,12 +85,6 @@ CHECK_TEXTS = [
 ]
 
 
-RERANK_MAX_SCORE_DIFF = 0.02
-"""A reranker at bf16 or fp16: the largest |score - fp32 CrossEncoder.predict| allowed on the calibration pairs."""
-RERANK_MIN_AGREEMENT = 0.98
-"""A reranker at bf16 or fp16: the least share of each query's document pairs it must order as fp32 does."""
-
-
 class ExportCheckError(RuntimeError):
     """The exported pair differs from sentence-transformers by ``MAX_ABS_DIFF`` or more, or is pinned to a device."""
 
@@ -118,7 +112,8 @@ class ExportManifest:
         precision_setting: the precision the export was given (``auto``, ``fp32``, ...), which a later ``make model``
             or ``make serve`` without ``PRECISION`` keeps.
         kind: ``embedder`` or ``reranker`` (a cross-encoder: ``dim`` 1, the score; ``min_cosine`` 1.0, since its
-            gate bounds score differences and rank agreement, ``RERANK_MAX_SCORE_DIFF`` and ``RERANK_MIN_AGREEMENT``).
+            gate bounds score differences and rank agreement: ``export_reranker.RERANK_MAX_SCORE_DIFF`` and
+            ``RERANK_MIN_AGREEMENT``).
         activation: a reranker's activation of its logit (``sigmoid``, ``identity``, ...); empty for an embedder.
         max_score_diff, rank_agreement: a reranker's gate figures at the precision it was tried at (its worst
             |score - fp32 CrossEncoder.predict| and least share of a query's document pairs ordered alike over the
@@ -204,8 +199,8 @@ def exporter_digest() -> str:
     h = hashlib.sha256()
     here = Path(__file__).parent
     templates = sorted(TEMPLATES.glob("*/config.pbtxt")) + sorted(TEMPLATES.glob("*/configs/*.pbtxt"))
-    sources = (here / "export.py", here / "encoder_module.py", here / "precision.py", here / "model_config.py")
-    for path in (*sources, model_config.BUCKETS_FILE, *templates):
+    sources = ("export.py", "export_reranker.py", "encoder_module.py", "precision.py", "model_config.py")
+    for path in (*(here / name for name in sources), model_config.BUCKETS_FILE, *templates):
         h.update(path.read_bytes())
     h.update(precision_rules.CALIBRATION_FILE.read_bytes())
     return h.hexdigest()
@@ -324,9 +319,10 @@ def export(
     from sentence_transformers import SentenceTransformer
 
     from triton_embed_server.encoder_module import remote_code_problem
+    from triton_embed_server.export_reranker import export_reranker, is_reranker
 
     if is_reranker(model_path):
-        return _export_reranker(model_path, repository, name, templates, choice, precision, gate, corpus)
+        return export_reranker(model_path, repository, name, templates, choice, precision, gate, corpus)
     modules = json.loads((model_path / "modules.json").read_text())
     problem = remote_code_problem(model_path / modules[0].get("path", ""))
     if problem:
@@ -334,7 +330,7 @@ def export(
     torch.manual_seed(0)
     st = SentenceTransformer(str(model_path), device="cpu")
     traced, info = _traced(st, model_path, "fp32")
-    tokenizer = _served_tokenizer(st, model_path, info["max_seq_length"])
+    tokenizer = served_tokenizer(st, model_path, info["max_seq_length"])
     max_abs_diff = _check_exact(st, tokenizer, traced)
     calibration = [*precision_rules.calibration_texts(corpus), *CHECK_TEXTS]
     # prompt="": the gate compares the encoder on the texts themselves, as the exact check does
@@ -373,7 +369,7 @@ def export(
         precision_setting=precision,
     )
     prompts = {"prompts": dict(st.prompts), "default_prompt_name": st.default_prompt_name}
-    _write_model(repository, name, templates, manifest, tokenizer, prompts, traced)
+    write_model(repository, name, templates, manifest, tokenizer, prompts, traced)
     if manifest.max_seq_length > LONG_CONTEXT_NOTE:
         print(
             f"note: max_seq_length {manifest.max_seq_length}: every bucket length up to it warms up at load, minutes "
@@ -384,7 +380,7 @@ def export(
     return manifest
 
 
-def _write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
+def write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
     repository: Path, name: str, templates: Path, manifest: ExportManifest, tokenizer, prompts: dict, traced
 ) -> None:
     """Write the model ``name``: its tokenizer, prompts, module, configs, and last its manifest."""
@@ -407,182 +403,12 @@ def _write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
     _atomic_write(manifest_file(repository, name), lambda p: Path(p).write_text(text))
 
 
-def _json_file(path: Path) -> dict:
+def json_file(path: Path) -> dict:
     """The JSON object in ``path``; empty when the file is absent or not JSON."""
     try:
         return json.loads(path.read_text()) if path.is_file() else {}
     except (ValueError, UnicodeDecodeError):
         return {}
-
-
-def is_reranker(model_path: Path) -> bool:
-    """Whether ``model_path`` holds a cross-encoder.
-
-    A sentence-transformers ``CrossEncoder`` folder, or a transformers ``*ForSequenceClassification`` folder without
-    ``modules.json`` (as CrossEncoder saved before v4).
-    """
-    if _json_file(model_path / "config_sentence_transformers.json").get("model_type") == "CrossEncoder":
-        return True
-    if _json_file(model_path / "sentence_bert_config.json").get("transformer_task") == "sequence-classification":
-        return True
-    architectures = _json_file(model_path / "config.json").get("architectures") or []
-    return not (model_path / "modules.json").is_file() and any(
-        str(a).endswith("ForSequenceClassification") for a in architectures
-    )
-
-
-CHECK_BATCH = 16
-"""Pairs per batch when a reranker's export scores its check and calibration pairs (padded to the batch's longest;
-one batch of all of them would pad every pair to the long text's 512 tokens)."""
-
-
-def check_pairs() -> list[tuple[str, str]]:
-    """The (query, document) pairs a reranker's export checks.
-
-    Every third check text against every one, and the long one against itself and a short one, so ``longest_first``
-    truncation cuts the query, the document and both.
-    """
-    pairs = [(q, d) for q in CHECK_TEXTS[::3] for d in CHECK_TEXTS]
-    return pairs + [(CHECK_TEXTS[-1], CHECK_TEXTS[-1]), (CHECK_TEXTS[-1], "a")]
-
-
-def _export_reranker(  # noqa: PLR0913, PLR0917 - export()'s arguments, passed on
-    model_path: Path,
-    repository: Path,
-    name: str,
-    templates: Path,
-    choice,
-    precision: str,
-    gate: str,
-    corpus: Path | None,
-) -> ExportManifest:
-    """:func:`export` for a cross-encoder: the pair tokenizer and ``encoder_module.PairScorer``.
-
-    The fp32 module's scores and logits must equal ``CrossEncoder.predict``'s (with its activation, and with none)
-    within ``MAX_ABS_DIFF`` on :func:`check_pairs`; a bf16 or fp16 one is served only when its scores of the
-    calibration pairs (the calibration texts' first 8 as queries, the next 32 as documents) stay within
-    ``RERANK_MAX_SCORE_DIFF`` of fp32's and it orders at least ``RERANK_MIN_AGREEMENT`` of each query's document
-    pairs alike.
-
-    Raises:
-        ExportCheckError, ValueError: as :func:`export`'s.
-    """
-    import numpy as np
-    import torch
-    from sentence_transformers import CrossEncoder
-
-    from triton_embed_server.encoder_module import build_traced_scorer, remote_code_problem
-
-    if problem := remote_code_problem(model_path):
-        raise ValueError(f"{model_path}: {problem}; {SERVED}")
-    torch.manual_seed(0)
-    ce = CrossEncoder(str(model_path), device="cpu")
-
-    def scorer_at(at: str):
-        traced, info = build_traced_scorer(ce, precision=at)
-        return _portable(traced, "scorer"), info
-
-    def predict(pairs: list[tuple[str, str]], activation=None):
-        return ce.predict(pairs, batch_size=CHECK_BATCH, activation_fn=activation, show_progress_bar=False)
-
-    def served_scores(module, pairs: list[tuple[str, str]]):
-        return np.concatenate(
-            [
-                score_like_server(_copy(tokenizer), module, pairs[i : i + CHECK_BATCH])
-                for i in range(0, len(pairs), CHECK_BATCH)
-            ]
-        )
-
-    traced, info = scorer_at("fp32")
-    tokenizer = _served_tokenizer(ce, model_path, info["max_seq_length"])
-    pairs = sorted(check_pairs(), key=lambda p: len(p[0]) + len(p[1]))  # batches of like lengths: little padding
-    served = served_scores(traced, pairs)
-    diffs = np.abs(served - np.stack([predict(pairs), predict(pairs, torch.nn.Identity())], axis=1)).max(axis=1)
-    if diffs.max() >= MAX_ABS_DIFF:
-        worst = int(diffs.argmax())
-        raise ExportCheckError(
-            f"exported reranker differs from CrossEncoder.predict: max abs diff {diffs[worst]:.3g} (limit "
-            f"{MAX_ABS_DIFF:g}) on pair #{worst}; {int((diffs >= MAX_ABS_DIFF).sum())} of {len(pairs)} pairs over "
-            f"the limit; this model's type is '{info['model_type']}'; {SERVED}"
-        )
-    served_at, worst, agreement = "fp32", 0.0, 1.0
-    if choice.precision != "fp32":
-        texts = [*precision_rules.calibration_texts(corpus), *CHECK_TEXTS]
-        queries, documents = texts[:8], texts[8:40]
-        calibration = [(q, d) for q in queries for d in documents]
-        reference = predict(calibration)
-        reduced, _ = scorer_at(choice.precision)
-        scores = served_scores(reduced, calibration)[:, 0]
-        worst = float(np.abs(scores - reference).max())
-        agreement = min(
-            rank_agreement(scores[k : k + len(documents)], reference[k : k + len(documents)])
-            for k in range(0, len(calibration), len(documents))
-        )
-        figure = (
-            f"{choice.precision} scores {len(calibration)} calibration pairs within {worst:.3g} of fp32 (bound "
-            f"{RERANK_MAX_SCORE_DIFF:g}) and orders {agreement:.3f} of a query's document pairs alike (least "
-            f"{RERANK_MIN_AGREEMENT:g})"
-        )
-        if worst <= RERANK_MAX_SCORE_DIFF and agreement >= RERANK_MIN_AGREEMENT:
-            traced, served_at = reduced, choice.precision
-        elif precision == "auto":
-            print(f"precision: {figure}: serving fp32", file=sys.stderr)
-        else:
-            raise ExportCheckError(f"{figure}: export at fp32")
-    manifest = ExportManifest(
-        source=str(model_path),
-        source_digest=source_digest(model_path),
-        exporter_digest=exporter_digest(),
-        dim=1,
-        max_seq_length=info["max_seq_length"],
-        vocab_size=info["vocab_size"],
-        pooling="pair",
-        max_abs_diff=float(diffs.max()),
-        model_type=info["model_type"],
-        attention=info["attention"],
-        precision=served_at,
-        precision_asked=choice.precision,
-        precision_reason=choice.reason,
-        min_cosine=1.0,
-        gate=gate,
-        precision_setting=precision,
-        kind="reranker",
-        activation=info["activation"],
-        max_score_diff=worst,
-        rank_agreement=agreement,
-    )
-    _write_model(repository, name, templates, manifest, tokenizer, {"prompts": {}, "default_prompt_name": None}, traced)
-    return manifest
-
-
-def rank_agreement(scores, reference) -> float:
-    """The share of pairs of items that ``scores`` orders as ``reference`` does (ties in ``reference`` left out).
-
-    ``scores``, ``reference``: ``(n,)`` float arrays, one query's documents. 1.0 when fewer than two items differ.
-    """
-    import numpy as np
-
-    i, j = np.triu_indices(len(reference), k=1)
-    differ = reference[i] != reference[j]
-    if not differ.any():
-        return 1.0
-    same = np.sign(scores[i] - scores[j]) == np.sign(reference[i] - reference[j])
-    return float(same[differ].mean())
-
-
-def score_like_server(tokenizer, traced, pairs: list[tuple[str, str]]):
-    """Score ``pairs`` as the served reranker does (:func:`tokenize_like_server` with ``pairs``, one batch).
-
-    Returns:
-        ``(len(pairs), 2)`` float32 numpy: the score and the raw logit per pair.
-    """
-    import torch
-
-    pad_id = tokenizer.padding["pad_id"] if tokenizer.padding else 0
-    tokenizer.no_padding()
-    ids, segments = tokenize_like_server(tokenizer, pairs, pad_id, pairs=True)
-    with torch.no_grad():
-        return traced(torch.from_numpy(ids), torch.from_numpy(segments)).numpy()
 
 
 def _traced(st, model_path: Path, precision: str):
@@ -594,10 +420,10 @@ def _traced(st, model_path: Path, precision: str):
     from triton_embed_server.encoder_module import build_traced_encoder
 
     traced, info = build_traced_encoder(st, model_path, precision=precision)
-    return _portable(traced, "encoder"), info
+    return portable(traced, "encoder"), info
 
 
-def _portable(traced, what: str):
+def portable(traced, what: str):
     """``traced``, once ``encoder_module.device_problems`` finds nothing that pins it to one device.
 
     Raises:
@@ -610,7 +436,7 @@ def _portable(traced, what: str):
     return traced
 
 
-def _served_tokenizer(st, model_path: Path, max_seq_length: int):
+def served_tokenizer(st, model_path: Path, max_seq_length: int):
     """The model's fast tokenizer as the tokenizer step loads it.
 
     Truncation at ``max_seq_length``; padding on only to carry the pad id and token (the backend switches it off and
@@ -636,7 +462,7 @@ def _check_exact(st, tokenizer, traced) -> float:
     """
     import numpy as np
 
-    served = _embed_like_server(_copy(tokenizer), traced, CHECK_TEXTS)
+    served = _embed_like_server(copy_tokenizer(tokenizer), traced, CHECK_TEXTS)
     # prompt="": the check compares the encoder on the texts themselves; the tokenizer step adds prompts
     reference = st.encode(
         CHECK_TEXTS, prompt="", normalize_embeddings=True, convert_to_numpy=True, batch_size=len(CHECK_TEXTS)
@@ -663,7 +489,7 @@ def _min_cosine(tokenizer, traced, texts: list[str], reference, batch_size: int 
     import numpy as np
 
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    copy = _copy(tokenizer)
+    copy = copy_tokenizer(tokenizer)
     parts = [
         _embed_like_server(copy, traced, [texts[i] for i in order[k : k + batch_size]])
         for k in range(0, len(order), batch_size)
@@ -673,7 +499,7 @@ def _min_cosine(tokenizer, traced, texts: list[str], reference, batch_size: int 
     return float((served * reference).sum(axis=1).min())
 
 
-def _copy(tokenizer):
+def copy_tokenizer(tokenizer):
     """A fresh ``tokenizers.Tokenizer`` equal to ``tokenizer`` (``_embed_like_server`` switches its padding off)."""
     from tokenizers import Tokenizer
 
@@ -749,11 +575,13 @@ def check_model_folder(path: Path) -> str | None:  # noqa: PLR0911 - one message
         return f"{path} does not exist"
     if not path.is_dir():
         return f"{path} is a file; give the sentence-transformers folder (the one holding modules.json)"
+    from triton_embed_server.export_reranker import is_reranker
+
     modules = path / "modules.json"
     if not modules.is_file():
         if is_reranker(path):
             return None
-        architectures = _json_file(path / "config.json").get("architectures") or []
+        architectures = json_file(path / "config.json").get("architectures") or []
         if causal := [str(a) for a in architectures if str(a).endswith("ForCausalLM")]:
             return (
                 f"{path} holds a causal language model ({causal[0]}): an LLM-based reranker that scores with yes/no "
