@@ -446,7 +446,6 @@ class Knobs:
             config: the encoder's knobs as its config sets them (:meth:`AdmissionConfig.read`).
             curve: its service curve, measured at load.
         """
-        self.config = config
         self.sla_ms = config.sla_ms
         self.curve = curve
         self._door = config.max_in_flight

@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -241,20 +239,6 @@ def is_up_to_date(
     )
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename onto ``path``, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a server in a container may run as another user
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def export(
     model_path: Path,
     repository: Path = DEFAULT_MODEL_REPOSITORY,
@@ -387,9 +371,9 @@ def write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
     import torch
 
     tokenizer_dir, encoder_dir = (repository / step / "1" for step in step_names(name))
-    _atomic_write(tokenizer_dir / "tokenizer.json", tokenizer.save)
-    _atomic_write(tokenizer_dir / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
-    _atomic_write(encoder_dir / "model.pt", lambda p: torch.jit.save(traced, p))
+    model_config.atomic_write(tokenizer_dir / "tokenizer.json", tokenizer.save)
+    model_config.atomic_write(tokenizer_dir / "prompts.json", lambda p: Path(p).write_text(json.dumps(prompts)))
+    model_config.atomic_write(encoder_dir / "model.pt", lambda p: torch.jit.save(traced, p))
     model_config.write_configs(
         repository,
         name,
@@ -400,7 +384,7 @@ def write_model(  # noqa: PLR0913, PLR0917 - the pieces of one model
         reranker=manifest.kind == "reranker",
     )
     text = json.dumps(asdict(manifest), indent=2) + "\n"
-    _atomic_write(manifest_file(repository, name), lambda p: Path(p).write_text(text))
+    model_config.atomic_write(manifest_file(repository, name), lambda p: Path(p).write_text(text))
 
 
 def json_file(path: Path) -> dict:

@@ -67,6 +67,24 @@ def text(config: ModelConfig, comments: list[str]) -> str:
     return lines + text_format.MessageToString(config, use_short_repeated_primitives=True)
 
 
+def atomic_write(path: Path, write: Callable[[str], object]) -> None:
+    """Call ``write(tmp_path)``, then rename the file onto ``path``: a crash never leaves half a file of the repository.
+
+    Raises:
+        OSError: the folder cannot be made or the file written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a server in a container may run as another user
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def write(path: Path, config: ModelConfig, comments: list[str]) -> bool:
     """Write ``config`` to ``path`` under ``comments`` (:func:`text`), atomically; False when it already said that.
 
@@ -77,16 +95,7 @@ def write(path: Path, config: ModelConfig, comments: list[str]) -> bool:
     new = text(config, comments)
     if path.is_file() and path.read_text(encoding="utf-8") == new:
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(new)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a server in a container may run as another user
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(new, encoding="utf-8"))
     return True
 
 
@@ -99,10 +108,9 @@ def edit(path: Path, change: Callable[[ModelConfig], object], note: str | None =
     Raises:
         ValueError: the file is not a config (:func:`read`), or ``change`` raised it.
     """
-    config = read(path)
+    config, comments = read(path), header(path)
     change(config)
-    comments = header(path) + ([note] if note and note not in header(path) else [])
-    return write(path, config, comments)
+    return write(path, config, comments + ([note] if note and note not in comments else []))
 
 
 def written_from(template: Path, writer: str) -> list[str]:

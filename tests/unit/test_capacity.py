@@ -26,6 +26,11 @@ from triton_embed_protocol.capacity import (
 )
 
 
+def knobs_for(curve: ServiceCurve, **parameters: str) -> Knobs:
+    """The knobs an encoder whose config sets ``parameters`` derives from ``curve``."""
+    return Knobs(AdmissionConfig.read(parameters), curve)
+
+
 def linear_curve(fixed_ms: float, per_text_ms: float, max_batch: int = 64) -> ServiceCurve:
     """A machine whose execution of n texts takes fixed + n x per_text, ms."""
     return ServiceCurve({n: (fixed_ms + n * per_text_ms) / 1000 for n in grid(max_batch)}, max_batch)
@@ -51,7 +56,7 @@ def within_one_batch(fixed_ms: float, per_text_ms: float, sla_ms: float = 200) -
 
 def test_the_door_is_the_most_texts_whose_predicted_time_in_service_fits_the_target():
     curve = linear_curve(3, 2)  # 2-core-like: 3 ms + 2 ms a text
-    limits = Knobs(AdmissionConfig.read({}), curve).limits()
+    limits = knobs_for(curve).limits()
     door = within_one_batch(3, 2)
     assert limits.max_in_flight == door
     assert time_in_service(curve, door) <= TARGET_SHARE * 0.2 < time_in_service(curve, door + 1)
@@ -60,32 +65,27 @@ def test_the_door_is_the_most_texts_whose_predicted_time_in_service_fits_the_tar
 
 
 def test_a_faster_machine_gets_a_wider_door_and_a_slower_one_a_narrower():
-    fast = Knobs(
-        AdmissionConfig.read({}), linear_curve(1, 0.2)
-    ).limits()  # batches run whole; several batches fit the SLA
-    slow = Knobs(AdmissionConfig.read({}), linear_curve(5, 4)).limits()  # one core
-    two_core = Knobs(AdmissionConfig.read({}), linear_curve(3, 2)).limits()
+    fast = knobs_for(linear_curve(1, 0.2)).limits()  # batches run whole; several batches fit the SLA
+    slow = knobs_for(linear_curve(5, 4)).limits()  # one core
+    two_core = knobs_for(linear_curve(3, 2)).limits()
     assert slow.max_in_flight < two_core.max_in_flight < fast.max_in_flight
     assert fast.max_in_flight > 64  # past one batch: it waits for whole executions ahead of it
     assert slow.max_in_flight == within_one_batch(5, 4)
 
 
 def test_the_sla_sizes_the_door():
-    tight = Knobs(AdmissionConfig.read({"SLA_MS": "100"}), linear_curve(3, 2)).limits()
+    tight = knobs_for(linear_curve(3, 2), SLA_MS="100").limits()
     assert tight.max_in_flight == within_one_batch(3, 2, sla_ms=100) and tight.flood_latency_ms == 50
 
 
 def test_a_number_pins_a_knob_and_auto_derives_it():
     pins = {"MAX_IN_FLIGHT": "32", "BULK_TEXTS": "8", "BULK_IN_FLIGHT": "0", "FLOOD_LATENCY_MS": "10"}
-    limits = Knobs(AdmissionConfig.read(pins), linear_curve(2, 2)).limits()
+    limits = knobs_for(linear_curve(2, 2), **pins).limits()
     assert (limits.max_in_flight, limits.bulk_texts, limits.bulk_in_flight, limits.flood_latency_ms) == (32, 8, 0, 10)
     assert all(limits.how[k] == "pinned" for k in ("FLOOD_LATENCY_MS",))
     assert "MAX_IN_FLIGHT" not in limits.how  # pinned: describe() says so
     assert "MAX_IN_FLIGHT 32 (pinned)" in limits.describe()
-    assert (
-        "measured"
-        in Knobs(AdmissionConfig.read({"MAX_IN_FLIGHT": "auto"}), linear_curve(2, 2)).limits().how["MAX_IN_FLIGHT"]
-    )
+    assert "measured" in knobs_for(linear_curve(2, 2), MAX_IN_FLIGHT="auto").limits().how["MAX_IN_FLIGHT"]
 
 
 @pytest.mark.parametrize(("key", "value"), [("MAX_IN_FLIGHT", "many"), ("BULK_TEXTS", "-1"), ("SLA_MS", "0")])
@@ -96,7 +96,7 @@ def test_a_bad_knob_names_itself_and_the_value(key, value):
 
 def test_the_executions_served_move_the_door_down_to_half_its_load_time_width_and_up():
     curve = linear_curve(3, 2)
-    knobs = Knobs(AdmissionConfig.read({}), curve)
+    knobs = knobs_for(curve)
     before = knobs.limits(now=0).max_in_flight
     for _ in range(8):  # under load the executions take twice the time measured at load
         curve.observe(16, 2 * 0.035, now=0)
@@ -174,7 +174,7 @@ def serve_period(knobs: Knobs, now: float, *, ms: float, in_flight: int, answers
 
 
 def test_a_served_p99_over_its_budget_shrinks_the_door_down_to_the_curves_floor():
-    knobs = Knobs(AdmissionConfig.read({}), linear_curve(3, 2))
+    knobs = knobs_for(linear_curve(3, 2))
     start, door = time.monotonic(), knobs.limits().max_in_flight
     doors = [serve_period(knobs, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door) for k in range(1, 20)]
     assert doors[0] < door and all(b <= a for a, b in zip(doors, doors[1:], strict=False))
@@ -185,7 +185,7 @@ def test_a_served_p99_over_its_budget_shrinks_the_door_down_to_the_curves_floor(
 
 
 def test_a_nearly_full_door_with_a_low_p99_opens_and_a_door_not_reached_stays():
-    knobs = Knobs(AdmissionConfig.read({}), linear_curve(3, 2))
+    knobs = knobs_for(linear_curve(3, 2))
     start, door = time.monotonic(), knobs.limits().max_in_flight
     assert serve_period(knobs, start + 1, ms=20, in_flight=door // 4) == door  # not what keeps the p99 low
     opened = [door]
@@ -195,7 +195,7 @@ def test_a_nearly_full_door_with_a_low_p99_opens_and_a_door_not_reached_stays():
 
 
 def test_the_door_moves_once_a_period_and_only_with_enough_answers():
-    knobs = Knobs(AdmissionConfig.read({}), linear_curve(3, 2))
+    knobs = knobs_for(linear_curve(3, 2))
     start, door = time.monotonic(), knobs.limits().max_in_flight
     assert serve_period(knobs, start + 1, ms=400, in_flight=door, answers=FEEDBACK_MIN_SAMPLES - 1) == door
     moved = serve_period(knobs, start + 1, ms=400, in_flight=door, answers=1)
@@ -204,7 +204,7 @@ def test_the_door_moves_once_a_period_and_only_with_enough_answers():
 
 
 def test_the_factor_is_forgotten_once_the_encoder_has_answered_nothing_for_a_while():
-    knobs = Knobs(AdmissionConfig.read({}), linear_curve(3, 2))
+    knobs = knobs_for(linear_curve(3, 2))
     start, door = time.monotonic(), knobs.limits().max_in_flight
     for k in range(1, 6):  # a flood: the door shrinks
         serve_period(knobs, start + k * FEEDBACK_PERIOD_S, ms=400, in_flight=door)
@@ -215,21 +215,19 @@ def test_the_factor_is_forgotten_once_the_encoder_has_answered_nothing_for_a_whi
 
 
 def test_served_p99_ms_pins_the_target_and_zero_leaves_the_curves_door_alone():
-    pinned_target = Knobs(AdmissionConfig.read({"SERVED_P99_MS": "300"}), linear_curve(3, 2))
+    pinned_target = knobs_for(linear_curve(3, 2), SERVED_P99_MS="300")
     start, door = time.monotonic(), pinned_target.limits().max_in_flight
     assert pinned_target.limits().knobs()["SERVED_P99_MS"] == 300
     assert pinned_target.limits().how["SERVED_P99_MS"] == "pinned"
     assert serve_period(pinned_target, start + 1, ms=250, in_flight=door) == door  # within 300 ms: no shrink
     assert serve_period(pinned_target, start + 2, ms=400, in_flight=door) < door
-    off = Knobs(AdmissionConfig.read({"SERVED_P99_MS": "0"}), linear_curve(3, 2))
+    off = knobs_for(linear_curve(3, 2), SERVED_P99_MS="0")
     assert [serve_period(off, start + k, ms=4000, in_flight=door) for k in range(1, 4)] == [door] * 3
-    assert Knobs(AdmissionConfig.read({}), linear_curve(3, 2)).limits().knobs()["SERVED_P99_MS"] == 200 * FEEDBACK_SHARE
+    assert knobs_for(linear_curve(3, 2)).limits().knobs()["SERVED_P99_MS"] == 200 * FEEDBACK_SHARE
 
 
 def test_a_door_of_one_timed_on_busy_cores_opens_while_its_answers_come_back_fast():
-    knobs = Knobs(
-        AdmissionConfig.read({}), linear_curve(90, 2)
-    )  # load-time executions slowed by other work: 2 x 92 ms > budget
+    knobs = knobs_for(linear_curve(90, 2))  # load-time executions slowed by other work: 2 x 92 ms > budget
     start = time.monotonic()
     assert knobs.limits(now=start).max_in_flight == 1
     doors = [1]

@@ -47,9 +47,8 @@ def test_every_encoder_on_our_backend_takes_the_hand_off_and_a_door_measured_whe
         values = {k: v.string_value for k, v in config.parameters.items()}
         for knob in Knobs.KNOBS[1:]:  # CPU and GPU alike: each machine measures its own
             assert values[knob] == AUTO, f"{relative}: {knob} is {values[knob]!r}, not measured"
-        Knobs(
-            AdmissionConfig.read(values), ServiceCurve({1: 0.005, 64: 0.08}, config.max_batch_size)
-        )  # every knob reads
+        read = AdmissionConfig.read(values)  # every knob reads
+        Knobs(read, ServiceCurve({1: 0.005, 64: 0.08}, config.max_batch_size))
         knobs.append({k: values[k] for k in (*Knobs.KNOBS, "LATENCY_BUDGET_MS", "REFUSAL_HOLD_MS", "BULK_QUEUE")})
     assert knobs[0] == knobs[1]
 
